@@ -1,0 +1,47 @@
+"""jmp_lite: mixed-precision training for JAX, Flax and optax.
+
+A drop-in replacement for DeepMind's ``jmp`` (``import jmp_lite as jmp``) plus an
+optax loss-scaling transformation and a jit-compiled train step.
+"""
+
+from jmp_lite._src.loss_scale import DynamicLossScale
+from jmp_lite._src.loss_scale import LossScale
+from jmp_lite._src.loss_scale import NoOpLossScale
+from jmp_lite._src.loss_scale import StaticLossScale
+from jmp_lite._src.loss_scale import all_finite
+from jmp_lite._src.loss_scale import select_tree
+from jmp_lite._src.policy import Policy
+from jmp_lite._src.policy import cast_to_full
+from jmp_lite._src.policy import cast_to_half
+from jmp_lite._src.policy import get_policy
+from jmp_lite._src.policy import half_dtype
+from jmp_lite._src.train import TrainState
+from jmp_lite._src.train import make_train_step
+from jmp_lite._src.transform import LossScaleState
+from jmp_lite._src.transform import dynamic_loss_scaling
+from jmp_lite._src.transform import loss_scale_of
+from jmp_lite._src.transform import skipped_steps_of
+from jmp_lite._src.transform import static_loss_scaling
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaleState",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "dynamic_loss_scaling",
+    "get_policy",
+    "half_dtype",
+    "loss_scale_of",
+    "make_train_step",
+    "select_tree",
+    "skipped_steps_of",
+    "static_loss_scaling",
+)

@@ -1,0 +1,302 @@
+"""Precision policies and pytree casting (a drop-in for ``jmp``'s policy layer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jmp_lite._src import tree_utils
+
+T = TypeVar("T")
+
+KeepRule = Union[str, Callable[[str, Any], bool]]
+
+# Names that ``get_policy`` understands for a dtype, and the canonical short
+# name that ``str(policy)`` writes for each dtype.
+_DTYPE_NAMES = {
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "full": jnp.float32,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+}
+_SHORT_NAMES = {
+    np.dtype(jnp.bfloat16): "bf16",
+    np.dtype(jnp.float16): "f16",
+    np.dtype(jnp.float32): "f32",
+    np.dtype(jnp.float64): "f64",
+}
+_KEYS = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+_KERAS_NAMES = {
+    "mixed_float16": "p=f32,c=f16,o=f32",
+    "mixed_bfloat16": "p=f32,c=bf16,o=f32",
+}
+_ALLOWED_DTYPES_MSG = "allowed dtype names: " + ", ".join(sorted([*_DTYPE_NAMES, "half"]))
+_ALLOWED_KEYS_MSG = "allowed keys: " + ", ".join(sorted(_KEYS))
+_GRAMMAR_MSG = (
+    "a policy is a dtype name (e.g. 'bf16'), a Keras name "
+    f"({', '.join(sorted(_KERAS_NAMES))}), or comma-separated key=value pairs "
+    "(e.g. 'p=f32,c=bf16,o=f32')"
+)
+
+
+def half_dtype() -> jnp.dtype:
+  """The half-precision dtype for the default backend: bf16 on TPU, f16 elsewhere.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> half_dtype() == (jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
+    True
+  """
+  return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
+
+
+def _normalize_dtype(dtype: DTypeLike, what: str) -> np.dtype:
+  try:
+    d = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"{what} must be a floating dtype, got {dtype!r}") from e
+  if not jnp.issubdtype(d, jnp.floating):
+    raise TypeError(
+        f"{what} must be a floating dtype (e.g. float32, bfloat16, float16), "
+        f"got {dtype!r}"
+    )
+  return d
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+  def cast(x):
+    return x if x.dtype == dtype else x.astype(dtype)
+
+  return tree_utils.map_floating(cast, tree)
+
+
+def _compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
+  if isinstance(rule, str):
+    try:
+      pattern = re.compile(rule)
+    except re.error as e:
+      raise ValueError(f"keep rule {rule!r} is not a valid regular expression: {e}") from e
+    return lambda path, leaf: pattern.search(path) is not None
+  if callable(rule):
+    return rule
+  raise TypeError(
+      f"a keep rule must be a regex string or a callable (path, leaf) -> bool, got {rule!r}"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Which dtype parameters, computation and outputs use.
+
+  ``Policy`` is a frozen, hashable dataclass, so it can be a static argument to
+  ``jax.jit``. Dtypes are normalised with ``jnp.dtype``, so ``np.float16``,
+  ``jnp.float16`` and ``"float16"`` give equal policies.
+
+  Casting rules: only floating arrays (``jax.Array``, ``np.ndarray`` and numpy
+  floating scalars) are cast. Integer, bool and PRNG-key leaves, Python
+  objects and ``None`` are returned unchanged (the same object).
+
+  Keep rules: ``keep_full`` holds rules that select leaves to stay in float32
+  under every cast of this policy (normalisation scales, for example). A rule is
+  a regular expression, matched with ``re.search`` against the leaf's
+  ``/``-joined key path (``"params/LayerNorm_0/scale"``), or a callable
+  ``(path, leaf) -> bool``. Keep rules are not part of ``str(policy)``.
+
+  Args:
+    param_dtype: dtype of the stored parameters.
+    compute_dtype: dtype that parameters and inputs are cast to for compute.
+    output_dtype: dtype that outputs are cast to.
+    keep_full: rules for leaves kept in float32 (see above).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite as jmp
+    >>> policy = jmp.get_policy("p=f32,c=bf16,o=f32").with_keep_full("norm")
+    >>> params = {"dense": jnp.ones(2), "norm": jnp.ones(2), "step": jnp.int32(3)}
+    >>> cast = policy.cast_to_compute(params)
+    >>> cast["dense"].dtype, cast["norm"].dtype, cast["step"].dtype
+    (dtype(bfloat16), dtype('float32'), dtype('int32'))
+    >>> str(policy)
+    'p=f32,c=bf16,o=f32'
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+  keep_full: tuple[KeepRule, ...] = ()
+
+  def __post_init__(self):
+    for name in ("param_dtype", "compute_dtype", "output_dtype"):
+      object.__setattr__(self, name, _normalize_dtype(getattr(self, name), name))
+    rules = self.keep_full
+    if isinstance(rules, str) or callable(rules):
+      rules = (rules,)
+    rules = tuple(rules)
+    for rule in rules:
+      _compile_rule(rule)  # Validates eagerly.
+    object.__setattr__(self, "keep_full", rules)
+
+  def _cast(self, tree: T, dtype: np.dtype) -> T:
+    if not self.keep_full:
+      return _cast_floating(tree, dtype)
+    rules = [_compile_rule(r) for r in self.keep_full]
+    full = np.dtype(jnp.float32)
+
+    def cast(path, x):
+      if not tree_utils.is_floating_array(x):
+        return x
+      path = tree_utils.path_str(path)
+      target = full if any(rule(path, x) for rule in rules) else dtype
+      return x if x.dtype == target else x.astype(target)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+  def cast_to_param(self, tree: T) -> T:
+    """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+    return self._cast(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
+    return self._cast(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+    return self._cast(tree, self.output_dtype)
+
+  def with_param_dtype(self, param_dtype: DTypeLike) -> "Policy":
+    """A copy of this policy with another ``param_dtype``."""
+    return dataclasses.replace(self, param_dtype=param_dtype)
+
+  def with_compute_dtype(self, compute_dtype: DTypeLike) -> "Policy":
+    """A copy of this policy with another ``compute_dtype``."""
+    return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+  def with_output_dtype(self, output_dtype: DTypeLike) -> "Policy":
+    """A copy of this policy with another ``output_dtype``."""
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  def with_keep_full(self, *rules: KeepRule) -> "Policy":
+    """A copy of this policy that also keeps leaves matching ``rules`` in float32."""
+    return dataclasses.replace(self, keep_full=self.keep_full + rules)
+
+  def __str__(self) -> str:
+    return ",".join(
+        f"{key}={_SHORT_NAMES.get(d, d.name)}"
+        for key, d in (
+            ("p", self.param_dtype),
+            ("c", self.compute_dtype),
+            ("o", self.output_dtype),
+        )
+    )
+
+
+def _parse_dtype(name: str, context: str) -> np.dtype:
+  key = name.strip().lower()
+  if key == "half":
+    return half_dtype()
+  if key in _DTYPE_NAMES:
+    return np.dtype(_DTYPE_NAMES[key])
+  try:
+    d = jnp.dtype(key)
+  except TypeError:
+    d = None
+  if d is not None and jnp.issubdtype(d, jnp.floating):
+    return d  # Any other floating dtype numpy knows, e.g. "float8_e4m3fn".
+  raise ValueError(f"unknown or non-floating dtype {name!r} in {context!r}; {_ALLOWED_DTYPES_MSG}")
+
+
+def get_policy(name: str) -> Policy:
+  """Parses a policy string.
+
+  Grammar: a bare dtype name (all three dtypes equal), a Keras name
+  (``"mixed_float16"``, ``"mixed_bfloat16"``), or comma-separated ``key=value``
+  pairs with keys ``p``/``params``, ``c``/``compute``, ``o``/``output``. An
+  unspecified ``params`` defaults to f32, ``compute`` follows params and
+  ``output`` follows compute. Names are case-insensitive.
+
+  Args:
+    name: the policy string.
+
+  Returns:
+    The parsed ``Policy``.
+
+  Raises:
+    ValueError: for a malformed string. The message quotes the offending part.
+    TypeError: if ``name`` is not a string.
+
+  Examples:
+    >>> import jmp_lite as jmp
+    >>> str(jmp.get_policy("c=bf16"))
+    'p=f32,c=bf16,o=bf16'
+    >>> jmp.get_policy("mixed_float16") == jmp.get_policy("p=f32,c=f16,o=f32")
+    True
+  """
+  if not isinstance(name, str):
+    raise TypeError(f"get_policy expects a string, got {name!r}; {_GRAMMAR_MSG}")
+  text = _KERAS_NAMES.get(name.strip().lower(), name)
+  if not text.strip():
+    raise ValueError(f"empty policy string {name!r}; {_GRAMMAR_MSG}")
+  if "=" not in text:
+    d = _parse_dtype(text, name)
+    return Policy(d, d, d)
+  given = {}
+  for part in text.split(","):
+    pieces = part.split("=")
+    if len(pieces) != 2:
+      raise ValueError(
+          f"malformed part {part!r} in policy {name!r}: expected exactly one "
+          f"'key=value'; {_GRAMMAR_MSG}"
+      )
+    key, value = (p.strip() for p in pieces)
+    field = _KEYS.get(key.lower())
+    if field is None:
+      raise ValueError(f"unknown key {key!r} in policy {name!r}; {_ALLOWED_KEYS_MSG}")
+    if field in given:
+      raise ValueError(f"key {key!r} is given twice in policy {name!r}")
+    if not value:
+      raise ValueError(f"empty value for key {key!r} in policy {name!r}; {_ALLOWED_DTYPES_MSG}")
+    given[field] = _parse_dtype(value, name)
+  param = given.get("param_dtype", np.dtype(jnp.float32))
+  compute = given.get("compute_dtype", param)
+  output = given.get("output_dtype", compute)
+  return Policy(param, compute, output)
+
+
+def cast_to_full(tree: T) -> T:
+  """Casts the floating leaves of ``tree`` to float32.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> cast_to_full({"w": jnp.ones(2, jnp.bfloat16), "n": 3})["w"].dtype
+    dtype('float32')
+  """
+  return _cast_floating(tree, np.dtype(jnp.float32))
+
+
+def cast_to_half(tree: T) -> T:
+  """Casts the floating leaves of ``tree`` to :func:`half_dtype`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> cast_to_half(jnp.ones(2)).dtype == half_dtype()
+    True
+  """
+  return _cast_floating(tree, half_dtype())
