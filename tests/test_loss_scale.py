@@ -1,0 +1,205 @@
+"""jmp-compatible loss scales, all_finite and select_tree (issue 2)."""
+
+import dataclasses
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+
+import jmp_lite
+
+
+def _model_adjust(scale, counter, finite, period, factor, floor):
+  """A plain-Python model of jmp's DynamicLossScale.adjust, in float32 arithmetic."""
+  scale, factor, floor = np.float32(scale), np.float32(factor), np.float32(floor)
+  if finite:
+    if counter == period - 1:
+      with np.errstate(over="ignore"):
+        grown = scale * factor
+      return (grown if np.isfinite(grown) else scale), 0
+    return scale, counter + 1
+  return max(floor, scale / factor), 0
+
+
+# ---------------------------------------------------------------- NoOp / Static
+
+
+def test_noop_and_static_have_no_leaves():
+  for ls in (jmp_lite.NoOpLossScale(), jmp_lite.StaticLossScale(2.0**10)):
+    leaves, treedef = jax.tree.flatten(ls)
+    assert leaves == []
+    assert jax.tree.unflatten(treedef, []) == ls
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_static_matches_jmp(dtype, maybe_jit):
+  tree = {"g": jnp.array([0.5, -3.0], dtype), "n": jnp.int32(3)}
+  ours, theirs = jmp_lite.StaticLossScale(128.0), jmp.StaticLossScale(jnp.float32(128.0))
+  scaled = maybe_jit(ours.scale)(tree)
+  expected = theirs.scale(tree["g"])
+  assert scaled["g"].dtype == expected.dtype
+  np.testing.assert_array_equal(scaled["g"], expected)
+  assert scaled["n"] is tree["n"] or int(scaled["n"]) == 3
+  np.testing.assert_array_equal(maybe_jit(ours.unscale)(scaled)["g"], theirs.unscale(expected))
+  assert float(ours.loss_scale) == 128.0 and ours.adjust(jnp.array(False)) is ours
+
+
+def test_noop():
+  ls = jmp_lite.NoOpLossScale()
+  x = {"a": jnp.ones(2, jnp.float16)}
+  assert ls.scale(x) is x and ls.unscale(x) is x and ls.adjust(False) is ls
+  assert float(ls.loss_scale) == 1.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_static_rejects_bad_scale(bad):
+  with pytest.raises(ValueError, match="loss_scale must be finite and > 0"):
+    jmp_lite.StaticLossScale(bad)
+
+
+# ---------------------------------------------------------------- Dynamic
+
+
+def test_dynamic_leaves_are_the_arrays():
+  ls = jmp_lite.DynamicLossScale(2.0**15, counter=3, period=7, factor=4, min_loss_scale=0.25)
+  leaves = jax.tree.leaves(ls)
+  assert len(leaves) == 3
+  assert ls.loss_scale.dtype == jnp.float32 and not ls.loss_scale.weak_type
+  assert ls.counter.dtype == jnp.int32
+  mapped = jax.tree.map(lambda x: x, ls)
+  assert mapped.period == 7 and mapped.factor == 4 and float(mapped.min_loss_scale) == 0.25
+
+
+def test_min_loss_scale_survives_jit(maybe_jit):
+  ls = jmp_lite.DynamicLossScale(jnp.float32(8.0), period=5, min_loss_scale=jnp.float32(4.0))
+  for _ in range(3):
+    ls = maybe_jit(lambda s: s.adjust(jnp.array(False)))(ls)
+  assert float(ls.min_loss_scale) == 4.0
+  assert float(ls.loss_scale) == 4.0  # Floored, not 1.0 as jmp gives after a jitted adjust.
+  assert ls.period == 5
+
+
+def test_eval_shape_and_aot_compile():
+  ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**15), period=3)
+  f = lambda s, finite: s.adjust(finite)
+  shapes = jax.eval_shape(f, ls, jnp.array(True))
+  assert shapes.loss_scale.shape == () and shapes.loss_scale.dtype == jnp.float32
+  compiled = jax.jit(f).lower(ls, jnp.array(True)).compile()
+  out = compiled(ls, jnp.array(True))
+  assert int(out.counter) == 1
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
+  assert jax.jit(f).lower(abstract, jax.ShapeDtypeStruct((), jnp.bool_)).compile() is not None
+
+
+def test_float16_loss_scale_adjusts_without_crash_or_inf(maybe_jit):
+  ls = jmp_lite.DynamicLossScale(jnp.float16(2.0**15), period=1)
+  ls = maybe_jit(lambda s: s.adjust(jnp.array(True)))(ls)
+  assert ls.loss_scale.dtype == jnp.float16
+  assert float(ls.loss_scale) == 2.0**15  # 2**16 is inf in f16: growth is refused.
+  ls = maybe_jit(lambda s: s.adjust(jnp.array(False)))(ls)
+  assert float(ls.loss_scale) == 2.0**14
+  with jax.numpy_dtype_promotion("strict"):
+    assert ls.adjust(jnp.array(True)).loss_scale.dtype == jnp.float16
+
+
+def test_growth_never_overflows_f32():
+  ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**127), period=1)
+  out = ls.adjust(jnp.array(True))
+  assert np.isfinite(float(out.loss_scale)) and float(out.loss_scale) == 2.0**127
+
+
+@pytest.mark.parametrize("finites", [[True] * 5 + [False] + [True] * 4, [False] * 3 + [True] * 6])
+def test_dynamic_matches_jmp(finites, maybe_jit):
+  ours = jmp_lite.DynamicLossScale(jnp.float32(2.0**4), period=2, factor=2)
+  theirs = jmp.DynamicLossScale(jnp.float32(2.0**4), period=2, factor=2)
+  adjust = maybe_jit(lambda s, f: s.adjust(f))
+  for finite in finites:
+    ours, theirs = adjust(ours, jnp.array(finite)), theirs.adjust(jnp.array(finite))
+    assert float(ours.loss_scale) == float(theirs.loss_scale)
+    assert int(ours.counter) == int(theirs.counter)
+  grads = {"w": jnp.array([3.0, -1.0], jnp.float16)}
+  np.testing.assert_array_equal(ours.unscale(ours.scale(grads))["w"], theirs.unscale(theirs.scale(grads["w"])))
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    finites=st.lists(st.booleans(), min_size=1, max_size=40),
+    period=st.integers(1, 5),
+    factor=st.sampled_from([2, 4, 8]),  # Powers of two: every step is exact.
+    log_init=st.integers(-2, 20),
+    log_floor=st.integers(-4, 4),
+)
+def test_adjust_matches_python_model(finites, period, factor, log_init, log_floor):
+  floor = 2.0**log_floor
+  ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**log_init), period=period, factor=factor,
+                                 min_loss_scale=jnp.float32(floor))
+  scale, counter = 2.0**log_init, 0
+
+  def body(s, finite):
+    s = s.adjust(finite)
+    return s, (s.loss_scale, s.counter)
+
+  _, (scales, counters) = jax.lax.scan(body, ls, jnp.array(finites))
+  for i, finite in enumerate(finites):
+    scale, counter = _model_adjust(scale, counter, finite, period, factor, floor)
+    assert float(scales[i]) == float(scale), (i, finites[: i + 1])
+    assert int(counters[i]) == counter
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(period=0), "period must be an integer >= 1"),
+    (dict(factor=1), "factor must be > 1"),
+    (dict(factor=0.5), "factor must be > 1"),
+])
+def test_dynamic_rejects_bad_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jmp_lite.DynamicLossScale(jnp.float32(1.0), **kwargs)
+
+
+def test_dynamic_is_frozen_dataclass():
+  ls = jmp_lite.DynamicLossScale(2.0)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    ls.counter = 1  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- all_finite / select_tree
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("make", [np.asarray, jnp.asarray], ids=["np", "jnp"])
+def test_all_finite(dtype, make, maybe_jit):
+  good = {"a": make(np.ones(3), dtype=dtype), "i": jnp.arange(3), "k": jax.random.key(0)}
+  out = maybe_jit(jmp_lite.all_finite)(good)
+  assert out.shape == () and out.dtype == jnp.bool_ and bool(out)
+  for bad_value in (np.inf, -np.inf, np.nan):
+    bad = dict(good, b=make(np.array([1.0, bad_value]), dtype=dtype))
+    assert not bool(maybe_jit(jmp_lite.all_finite)(bad))
+
+
+def test_all_finite_empty():
+  for tree in (None, {}, [], {"i": jnp.arange(2)}):
+    out = jmp_lite.all_finite(tree)
+    assert out.shape == () and bool(out)
+
+
+def test_select_tree(maybe_jit):
+  a = {"x": jnp.ones(2), "i": jnp.int32(1)}
+  b = {"x": jnp.zeros(2), "i": jnp.int32(2)}
+  select = maybe_jit(jmp_lite.select_tree)
+  assert int(select(jnp.array(True), a, b)["i"]) == 1
+  np.testing.assert_array_equal(select(jnp.array(False), a, b)["x"], b["x"])
+  assert int(jmp_lite.select_tree(True, a, b)["i"]) == 1
+
+
+def test_select_tree_rejects_bad_pred():
+  a = {"x": jnp.ones(2)}
+  with pytest.raises(ValueError, match="scalar"):
+    jmp_lite.select_tree(jnp.array([True, False]), a, a)
+  with pytest.raises(TypeError, match="bool"):
+    jmp_lite.select_tree(jnp.float32(1.0), a, a)
+  with pytest.raises(TypeError, match="bool"):
+    jmp_lite.select_tree(1, a, a)

@@ -1,0 +1,316 @@
+"""Policies, policy strings and pytree casting (issue 2)."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.core import FrozenDict
+
+import jmp_lite
+
+F16, BF16, F32, F64 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+HALF = jmp_lite.half_dtype()
+
+
+# ---------------------------------------------------------------- Policy
+
+
+@pytest.mark.parametrize("dtype", [np.float16, jnp.float16, jnp.dtype("float16"), "float16"])
+def test_dtypes_are_normalised(dtype):
+  p = jmp_lite.Policy(jnp.float32, dtype, jnp.float32)
+  assert p.compute_dtype == F16 and isinstance(p.compute_dtype, np.dtype)
+  assert p == jmp_lite.Policy(np.float32, np.float16, "float32")
+  assert hash(p) == hash(jmp_lite.Policy(np.float32, np.float16, "float32"))
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, np.bool_, "int8", jnp.uint8, jnp.complex64, "not-a-dtype"])
+def test_non_floating_dtype_is_rejected(bad):
+  with pytest.raises(TypeError, match="floating dtype"):
+    jmp_lite.Policy(jnp.float32, bad, jnp.float32)
+
+
+def test_policy_is_frozen_and_a_static_jit_argument():
+  p = jmp_lite.get_policy("p=f32,c=bf16,o=f32")
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    p.compute_dtype = F16  # type: ignore[misc]
+  f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+  assert f(jnp.ones(2), p).dtype == BF16
+  assert f(jnp.ones(2), jmp_lite.get_policy("p=f32,c=bf16,o=f32")).dtype == BF16
+  assert f._cache_size() == 1  # Equal policies hit the same cache entry.
+
+
+def test_with_methods():
+  p = jmp_lite.get_policy("f32")
+  assert p.with_param_dtype(jnp.bfloat16).param_dtype == BF16
+  assert p.with_compute_dtype(np.float16).compute_dtype == F16
+  assert p.with_output_dtype(jnp.bfloat16).output_dtype == BF16
+  assert p.param_dtype == p.compute_dtype == p.output_dtype == F32  # Unchanged.
+  with pytest.raises(TypeError, match="compute_dtype"):
+    p.with_compute_dtype(jnp.int8)
+
+
+# ---------------------------------------------------------------- get_policy
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("float32", (F32, F32, F32)),
+        ("full", (F32, F32, F32)),
+        ("bf16", (BF16, BF16, BF16)),
+        ("BFloat16", (BF16, BF16, BF16)),
+        ("half", (HALF, HALF, HALF)),
+        ("f64", (F64, F64, F64)),
+        ("p=f32,c=f16,o=f32", (F32, F16, F32)),
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("c=bf16", (F32, BF16, BF16)),
+        ("p=f16", (F16, F16, F16)),
+        ("p=f32, c=half", (F32, HALF, HALF)),
+        ("o=f16", (F32, F32, F16)),
+        ("c=f16,o=f32", (F32, F16, F32)),
+        ("mixed_float16", (F32, F16, F32)),
+        ("mixed_bfloat16", (F32, BF16, F32)),
+    ],
+)
+def test_get_policy_grammar(name, expected):
+  p = jmp_lite.get_policy(name)
+  assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["f32", "bf16", "f16", "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32", "c=bf16", "o=f16", "half"],
+)
+def test_same_policy_as_jmp(name):
+  ours, theirs = jmp_lite.get_policy(name), jmp.get_policy(name)
+  assert ours.param_dtype == theirs.param_dtype
+  assert ours.compute_dtype == theirs.compute_dtype
+  assert ours.output_dtype == theirs.output_dtype
+
+
+@pytest.mark.parametrize(
+    "p", [jmp_lite.Policy(a, b, c) for a in (F32, BF16) for b in (F16, BF16, F32) for c in (F32, F16)]
+)
+def test_str_round_trips(p):
+  assert jmp_lite.get_policy(str(p)) == p
+
+
+def test_str_format():
+  assert str(jmp_lite.get_policy("mixed_bfloat16")) == "p=f32,c=bf16,o=f32"
+
+
+@pytest.mark.parametrize(
+    "name, quoted",
+    [
+        ("p=f32;c=f16", "f32;c=f16"),
+        ("x=f32", "'x'"),
+        ("p=f32=c", "p=f32=c"),
+        ("p=", "'p'"),
+        ("p=f32,,c=f16", "''"),
+        ("c=int32", "int32"),
+        ("int8", "int8"),
+        ("p=f32,p=f16", "given twice"),
+        ("", "empty policy"),
+        ("  ", "empty policy"),
+        ("c=float17", "float17"),
+    ],
+)
+def test_malformed_strings_raise_with_quote(name, quoted):
+  with pytest.raises(ValueError) as info:
+    jmp_lite.get_policy(name)
+  message = str(info.value)
+  assert quoted in message
+  assert "allowed" in message or "twice" in message or "key=value" in message or "policy is" in message
+
+
+def test_unknown_dtype_message_lists_allowed_names():
+  with pytest.raises(ValueError, match=r"allowed dtype names: .*bf16.*f16.*f32"):
+    jmp_lite.get_policy("c=fp8")
+
+
+def test_unknown_key_message_lists_allowed_keys():
+  with pytest.raises(ValueError, match=r"unknown key 'q'.*allowed keys: c, compute, o, output, p, params"):
+    jmp_lite.get_policy("q=f32")
+
+
+def test_non_string_policy_name():
+  with pytest.raises(TypeError, match="string"):
+    jmp_lite.get_policy(jnp.float16)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- casting rules
+
+
+class Pair(NamedTuple):
+  a: object
+  b: object
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Holder:
+  w: jax.Array
+  count: jax.Array
+
+
+def _mixed_tree(make):
+  return {
+      "w": make(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)),
+      "b16": make(np.array([0.5, 2.0], np.float16)),
+      "i": make(np.arange(3, dtype=np.int32)),
+      "flag": make(np.array([True, False])),
+      "key": jax.random.key(0),
+      "raw_key": jax.random.PRNGKey(1),
+      "none": None,
+      "py": 1.5,
+      "obj": "text",
+      "np_scalar": np.float32(3.25),
+      "np_int_scalar": np.int64(7),
+      "pair": Pair(make(np.ones(2, np.float64 if make is np.asarray else np.float32)), 3),
+  }
+
+
+@pytest.mark.parametrize("make", [np.asarray, jnp.asarray], ids=["np", "jnp"])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+def test_only_floating_array_leaves_are_cast(make, dtype, maybe_jit):
+  tree = _mixed_tree(make)
+  policy = jmp_lite.Policy(F32, dtype, F32)
+  arrays = {k: v for k, v in tree.items() if k not in ("none", "py", "obj")}
+  out = maybe_jit(policy.cast_to_compute)(arrays)
+  assert jax.tree.structure(out) == jax.tree.structure(arrays)
+  for name in ("w", "b16", "np_scalar"):
+    assert out[name].dtype == dtype, name
+  assert out["pair"].a.dtype == dtype
+  np.testing.assert_allclose(
+      np.asarray(out["w"], np.float32), np.asarray(tree["w"], np.float32),
+      rtol={F16: 1e-3, BF16: 1e-2, F32: 1e-6}[dtype],
+  )
+  for name in ("i", "flag", "np_int_scalar"):
+    # Under jit, JAX itself canonicalises inputs (int64 -> int32 without x64).
+    assert out[name].dtype in (tree[name].dtype, jax.dtypes.canonicalize_dtype(tree[name].dtype))
+    np.testing.assert_array_equal(out[name], tree[name])
+  assert out["key"].dtype == tree["key"].dtype
+  assert out["raw_key"].dtype == jnp.uint32
+
+
+def test_non_floating_leaves_are_the_same_object():
+  tree = _mixed_tree(jnp.asarray)
+  out = jmp_lite.get_policy("c=bf16").cast_to_compute(tree)
+  for name in ("i", "flag", "key", "raw_key", "py", "obj", "np_int_scalar"):
+    assert out[name] is tree[name], name
+  assert out["none"] is None and out["pair"].b == 3
+
+
+def test_numpy_inputs_stay_numpy():
+  out = jmp_lite.cast_to_half({"a": np.ones(2, np.float32), "s": np.float32(1)})
+  assert isinstance(out["a"], np.ndarray) and out["a"].dtype == HALF
+  assert isinstance(out["s"], np.generic) and out["s"].dtype == HALF
+
+
+def test_already_right_dtype_is_returned_as_is():
+  x = jnp.ones(3, jnp.float32)
+  assert jmp_lite.cast_to_full({"x": x})["x"] is x
+
+
+@pytest.mark.parametrize("method, field", [
+    ("cast_to_param", "param_dtype"), ("cast_to_compute", "compute_dtype"),
+    ("cast_to_output", "output_dtype"),
+])
+def test_each_cast_uses_its_dtype(method, field):
+  p = jmp_lite.Policy(BF16, F16, F64 if jax.config.jax_enable_x64 else F32)
+  out = getattr(p, method)(np.ones(2, np.float32))
+  assert out.dtype == getattr(p, field)
+
+
+def test_any_pytree_type():
+  frozen = FrozenDict({"k": jnp.ones(2)})
+  holder = Holder(w=jnp.ones(2), count=jnp.int32(4))
+  out = jmp_lite.cast_to_half([frozen, holder, Pair(jnp.ones(1), None)])
+  assert isinstance(out[0], FrozenDict) and out[0]["k"].dtype == HALF
+  assert isinstance(out[1], Holder) and out[1].w.dtype == HALF and out[1].count.dtype == jnp.int32
+  assert isinstance(out[2], Pair) and out[2].a.dtype == HALF and out[2].b is None
+
+
+def test_nnx_state():
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(3, 4, rngs=rngs)
+      self.count = nnx.Variable(jnp.int32(0))
+      self.rngs = rngs
+
+  _, state = nnx.split(Model(nnx.Rngs(0)))
+  out = jmp_lite.get_policy("c=bf16").cast_to_compute(state)
+  assert type(out) is type(state)
+  assert out["dense"]["kernel"].get_value().dtype == BF16
+  assert out["count"].get_value().dtype == jnp.int32
+  assert jnp.issubdtype(out["rngs"]["default"]["key"].get_value().dtype, jax.dtypes.prng_key)
+
+
+def test_cast_to_full_and_half_match_jmp():
+  tree = {"a": np.ones(2, np.float16), "b": jnp.ones(2, jnp.bfloat16), "i": jnp.arange(2)}
+  for ours, theirs in ((jmp_lite.cast_to_full, jmp.cast_to_full), (jmp_lite.cast_to_half, jmp.cast_to_half)):
+    a, b = ours(tree), theirs(tree)
+    assert jax.tree.map(lambda x: x.dtype, a) == jax.tree.map(lambda x: x.dtype, b)
+
+
+def test_half_dtype_on_cpu():
+  assert jmp_lite.half_dtype() == (BF16 if jax.default_backend() == "tpu" else F16)
+
+
+# ---------------------------------------------------------------- keep rules
+
+
+def _model_params():
+  return {
+      "params": {
+          "Dense_0": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)},
+          "LayerNorm_0": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+          "BatchNorm_0": {"scale": jnp.ones(4)},
+          "layer_norm": {"scale": jnp.ones(4)},
+      },
+      "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(4)}},
+  }
+
+
+def test_keep_rule_regex(maybe_jit):
+  policy = jmp_lite.get_policy("mixed_bfloat16").with_keep_full(".*(LayerNorm|BatchNorm|norm).*")
+  out = maybe_jit(policy.cast_to_compute)(_model_params())
+  p = out["params"]
+  assert p["Dense_0"]["kernel"].dtype == BF16 and p["Dense_0"]["bias"].dtype == BF16
+  for name in ("LayerNorm_0", "BatchNorm_0", "layer_norm"):
+    assert p[name]["scale"].dtype == F32, name
+  assert out["batch_stats"]["BatchNorm_0"]["mean"].dtype == F32
+
+
+def test_keep_rule_predicate_and_bias_rule():
+  policy = jmp_lite.Policy(F32, F16, F32, keep_full=(lambda path, leaf: leaf.ndim == 1,))
+  out = policy.cast_to_compute(_model_params())["params"]
+  assert out["Dense_0"]["kernel"].dtype == F16
+  assert out["Dense_0"]["bias"].dtype == F32 and out["LayerNorm_0"]["scale"].dtype == F32
+  only_bias = jmp_lite.Policy(F32, F16, F32, keep_full="bias$")
+  out = only_bias.cast_to_compute(_model_params())["params"]
+  assert out["Dense_0"]["bias"].dtype == F32 and out["LayerNorm_0"]["scale"].dtype == F16
+
+
+def test_keep_rule_casts_half_leaf_up_to_f32():
+  policy = jmp_lite.Policy(BF16, BF16, BF16, keep_full="norm")
+  out = policy.cast_to_param({"norm": jnp.ones(2, jnp.bfloat16), "w": jnp.ones(2)})
+  assert out["norm"].dtype == F32 and out["w"].dtype == BF16
+
+
+def test_keep_rules_do_not_change_str_and_stay_hashable():
+  policy = jmp_lite.get_policy("mixed_float16").with_keep_full("norm", lambda p, x: False)
+  assert str(policy) == "p=f32,c=f16,o=f32"
+  hash(policy)
+  assert len(policy.keep_full) == 2
+
+
+@pytest.mark.parametrize("rule, error", [("(unclosed", ValueError), (3, TypeError)])
+def test_bad_keep_rule(rule, error):
+  with pytest.raises(error, match="keep rule"):
+    jmp_lite.Policy(F32, F16, F32, keep_full=(rule,))
