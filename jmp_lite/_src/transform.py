@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite._src import loss_scale
 from jmp_lite._src import tree_utils
 
-_INT32_MAX = jnp.iinfo(jnp.int32).max
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal: 1 / tiny is finite
 
 
 class LossScaleState(NamedTuple):
@@ -83,6 +87,10 @@ def _loss_scaling(
   """The shared core: static scaling is growth_factor=backoff_factor=1."""
   inner = _as_extra_args(inner)
   dynamic = growth_factor != 1.0
+  # float32 constants: a Python float above float32's range (max_scale=inf is
+  # allowed, meaning no cap) must not be cast at trace time.
+  max_scale32 = np.float32(max_scale) if max_scale <= _F32_MAX else np.float32(np.inf)
+  min_scale32 = np.float32(min_scale)
 
   def init(params):
     return LossScaleState(
@@ -96,12 +104,19 @@ def _loss_scaling(
   def update(grads, state, params=None, **extra_args):
     scale = state.loss_scale
     inv_scale = 1.0 / scale
-    grads = tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, grads)
-    finite = loss_scale.all_finite(grads)
+
+    def unscale(tree):
+      return tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, tree)
+
+    # The unscale is written twice on purpose: XLA fuses the first into the
+    # finiteness reduction and the second into the inner update, so the unscaled
+    # gradients are never materialised and a skipped step never runs the inner
+    # update (lax.cond, not a select over both branches).
+    finite = loss_scale.all_finite(unscale(grads))
 
     def apply(operand):
       grads, inner_state, params = operand
-      return inner.update(grads, inner_state, params, **extra_args)
+      return inner.update(unscale(grads), inner_state, params, **extra_args)
 
     def skip(operand):
       _, inner_state, _ = operand
@@ -111,25 +126,26 @@ def _loss_scaling(
     update_shapes, _ = jax.eval_shape(apply, operand)
     updates, inner_state = jax.lax.cond(finite, apply, skip, operand)
 
+    zero = jnp.zeros((), jnp.int32)
     if dynamic:
-      count = jnp.where(finite, state.growth_count + 1, jnp.zeros_like(state.growth_count))
+      count = jnp.where(finite, _saturating_increment(state.growth_count), zero)
       grow = count >= growth_interval
-      grown = jnp.minimum(scale * growth_factor, max_scale)
-      backed_off = jnp.maximum(scale * backoff_factor, min_scale)
+      grown = scale * growth_factor
+      # Like GradScaler, a growth that overflows float32 keeps the old scale.
+      grown = jnp.minimum(jnp.where(jnp.isfinite(grown), grown, scale), max_scale32)
+      backed_off = jnp.maximum(scale * backoff_factor, min_scale32)
       new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
-      count = jnp.where(grow, jnp.zeros_like(count), count)
+      count = jnp.where(grow, zero, count)
     else:
       new_scale, count = scale, state.growth_count
     new_state = LossScaleState(
         loss_scale=new_scale.astype(jnp.float32),
-        growth_count=count,
+        growth_count=count.astype(jnp.int32),
         skipped_steps=jnp.where(
             finite, state.skipped_steps, _saturating_increment(state.skipped_steps)
         ),
         consecutive_skips=jnp.where(
-            finite,
-            jnp.zeros_like(state.consecutive_skips),
-            _saturating_increment(state.consecutive_skips),
+            finite, zero, _saturating_increment(state.consecutive_skips)
         ),
         inner_state=inner_state,
     )
@@ -138,36 +154,49 @@ def _loss_scaling(
   return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _real(name: str, value: Any) -> float:
+  if isinstance(value, (bool, str, bytes)):
+    raise TypeError(f"{name} must be a real number, got {value!r}")
+  try:
+    return float(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{name} must be a real number, got {value!r}") from e
+
+
+def _check_scale(name: str, value: float) -> None:
+  """A scale must be a normal float32: finite, > 0, with a finite reciprocal."""
+  if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
+    raise ValueError(
+        f"{name} must be finite and > 0, within float32's normal range "
+        f"[{_F32_TINY!r}, {_F32_MAX!r}], got {value!r}"
+    )
+
+
 def _check_config(
     init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale
-) -> None:
-  def number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      try:
-        value = float(value)
-      except (TypeError, ValueError) as e:
-        raise TypeError(f"{name} must be a real number, got {value!r}") from e
-    return float(value)
-
-  init_scale = number("init_scale", init_scale)
-  if not (math.isfinite(init_scale) and init_scale > 0):
-    raise ValueError(f"init_scale must be finite and > 0, got {init_scale!r}")
-  growth_factor = number("growth_factor", growth_factor)
-  if not (math.isfinite(growth_factor) and growth_factor > 1):
+) -> tuple[float, float, float, int, float, float]:
+  """Validates the arguments of :func:`dynamic_loss_scaling`; returns them as numbers."""
+  init_scale = _real("init_scale", init_scale)
+  _check_scale("init_scale", init_scale)
+  growth_factor = _real("growth_factor", growth_factor)
+  if not (math.isfinite(growth_factor) and 1 < growth_factor <= _F32_MAX):
     raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
-  backoff_factor = number("backoff_factor", backoff_factor)
+  backoff_factor = _real("backoff_factor", backoff_factor)
   if not 0 < backoff_factor < 1:
     raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}")
-  if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
+  if isinstance(growth_interval, bool):
     raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-  if growth_interval < 1:
-    raise ValueError(f"growth_interval must be >= 1, got {growth_interval!r}")
-  min_scale = number("min_scale", min_scale)
-  max_scale = number("max_scale", max_scale)
-  if not (min_scale > 0 and math.isfinite(min_scale)):
-    raise ValueError(f"min_scale must be finite and > 0, got {min_scale!r}")
-  if not max_scale > 0:
-    raise ValueError(f"max_scale must be > 0, got {max_scale!r}")
+  try:
+    interval = operator.index(growth_interval)
+  except TypeError as e:
+    raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r}") from e
+  if not 1 <= interval <= _INT32_MAX:
+    raise ValueError(f"growth_interval must be in [1, {_INT32_MAX}], got {growth_interval!r}")
+  min_scale = _real("min_scale", min_scale)
+  _check_scale("min_scale", min_scale)
+  max_scale = _real("max_scale", max_scale)
+  if math.isnan(max_scale):
+    raise ValueError(f"max_scale must be a number (inf means no cap), got {max_scale!r}")
   if min_scale > max_scale:
     raise ValueError(
         f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}"
@@ -177,6 +206,7 @@ def _check_config(
         f"init_scale must be in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
         f"got {init_scale!r}"
     )
+  return init_scale, growth_factor, backoff_factor, interval, min_scale, max_scale
 
 
 def dynamic_loss_scaling(
@@ -212,20 +242,25 @@ def dynamic_loss_scaling(
   Args:
     inner: any optax transformation, including ``optax.chain``,
       ``optax.inject_hyperparams(...)`` and ``optax.MultiSteps``.
-    init_scale: initial scale; finite and > 0. Always stored as float32.
+    init_scale: initial scale; finite and > 0, in ``[min_scale, max_scale]``.
+      Always stored as float32.
     growth_factor: multiplier after ``growth_interval`` finite steps; > 1.
     backoff_factor: multiplier on a non-finite step; in (0, 1).
-    growth_interval: consecutive finite steps before growth; >= 1.
-    min_scale: floor of the scale.
-    max_scale: cap of the scale; >= ``min_scale``.
+    growth_interval: consecutive finite steps before growth; an int in
+      ``[1, 2**31 - 1]``.
+    min_scale: floor of the scale; a normal float32 (about 1.2e-38 or more),
+      so that ``1 / scale`` is finite.
+    max_scale: cap of the scale; >= ``min_scale``. ``inf`` means no cap (a
+      growth that would overflow float32 then keeps the scale, as GradScaler).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
 
   Raises:
-    ValueError: for an out-of-range argument.
-    TypeError: if ``inner`` is not an optax transformation.
+    ValueError: for an out-of-range argument; the message names it.
+    TypeError: if ``inner`` is not an optax transformation, or an argument is
+      not a number.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -241,16 +276,10 @@ def dynamic_loss_scaling(
     >>> float(jmp.loss_scale_of(state)), int(jmp.skipped_steps_of(state))
     (2.0, 1)
   """
-  _check_config(init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale)
-  return _loss_scaling(
-      inner,
-      float(init_scale),
-      float(growth_factor),
-      float(backoff_factor),
-      growth_interval,
-      float(min_scale),
-      float(max_scale),
+  config = _check_config(
+      init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale
   )
+  return _loss_scaling(inner, *config)
 
 
 def static_loss_scaling(
@@ -263,11 +292,16 @@ def static_loss_scaling(
 
   Args:
     inner: any optax transformation.
-    scale: the fixed scale; finite and > 0.
+    scale: the fixed scale; finite and > 0 (a normal float32).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
+
+  Raises:
+    ValueError: if ``scale`` is out of range.
+    TypeError: if ``inner`` is not an optax transformation or ``scale`` is not
+      a number.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -278,12 +312,8 @@ def static_loss_scaling(
     >>> updates["w"], float(jmp.loss_scale_of(state))
     (Array([-1.], dtype=float32), 8.0)
   """
-  try:
-    value = float(scale)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"scale must be a real number, got {scale!r}") from e
-  if not (math.isfinite(value) and value > 0):
-    raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+  value = _real("scale", scale)
+  _check_scale("scale", value)
   return _loss_scaling(inner, value, 1.0, 1.0, 1, value, value)
 
 
@@ -317,7 +347,20 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
 
 
 def skipped_steps_of(opt_state: Any) -> jax.Array:
-  """Total skipped steps recorded inside ``opt_state`` (int32; 0 if none)."""
+  """Total skipped steps recorded inside ``opt_state`` (int32; 0 if none).
+
+  Searches nested states like :func:`loss_scale_of`. The count saturates at
+  ``2**31 - 1`` instead of wrapping.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> tx = optax.chain(optax.clip(1.0), jmp.static_loss_scaling(optax.sgd(0.1), 1.0))
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state)
+    >>> int(jmp.skipped_steps_of(state))
+    1
+  """
   state = find_loss_scale_state(opt_state)
   if state is None:
     return jnp.zeros((), jnp.int32)
