@@ -4,6 +4,12 @@ A drop-in replacement for DeepMind's ``jmp`` (``import jmp_lite as jmp``) plus a
 optax loss-scaling transformation and a jit-compiled train step.
 """
 
+from jmp_lite._src.diagnostics import GradientReport
+from jmp_lite._src.diagnostics import LeafStats
+from jmp_lite._src.diagnostics import LintFinding
+from jmp_lite._src.diagnostics import gradient_report
+from jmp_lite._src.diagnostics import nonfinite_paths
+from jmp_lite._src.diagnostics import precision_lint
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scale import NoOpLossScale
@@ -27,6 +33,9 @@ __version__ = "0.1.0"
 
 __all__ = (
     "DynamicLossScale",
+    "GradientReport",
+    "LeafStats",
+    "LintFinding",
     "LossScale",
     "LossScaleState",
     "NoOpLossScale",
@@ -38,9 +47,12 @@ __all__ = (
     "cast_to_half",
     "dynamic_loss_scaling",
     "get_policy",
+    "gradient_report",
     "half_dtype",
     "loss_scale_of",
     "make_train_step",
+    "nonfinite_paths",
+    "precision_lint",
     "select_tree",
     "skipped_steps_of",
     "static_loss_scaling",

@@ -17,6 +17,9 @@ DOCUMENTED = {
     "loss_scale_of", "skipped_steps_of",
     # The train step.
     "TrainState", "make_train_step",
+    # Diagnostics.
+    "GradientReport", "LeafStats", "LintFinding", "gradient_report",
+    "nonfinite_paths", "precision_lint",
 }
 
 

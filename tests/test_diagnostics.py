@@ -1,0 +1,346 @@
+"""gradient_report, nonfinite_paths, precision_lint and the underflow example."""
+
+import importlib
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import matplotlib.image
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jmp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+F16_MAX = 65504.0
+
+
+def hand_built():
+  """2^-30 and -2^-30 flush in f16 at scale 1; 7e4 overflows f16."""
+  return {
+      "a": jnp.array([2.0**-30, 1.0, 0.0, -(2.0**-30)], jnp.float32),
+      "b": {"c": jnp.array([[7e4, 3.0]], jnp.float32)},
+      "n": jnp.arange(3),  # Not floating: ignored.
+  }
+
+
+def report_fn(maybe_jit, dtype):
+  return maybe_jit(lambda g, s: jmp.gradient_report(g, dtype=dtype, loss_scale=s))
+
+
+def test_exact_fractions_f16_scale_1(maybe_jit):
+  r = report_fn(maybe_jit, jnp.float16)(hand_built(), 1.0)
+  assert set(r.per_leaf) == {"a", "b/c"}
+  a, c = r.per_leaf["a"], r.per_leaf["b/c"]
+  # "a": 3 non-zero elements, 2 of them flush; "b/c": 2 non-zero, 7e4 overflows.
+  assert float(a.underflow_fraction) == pytest.approx(2 / 3)
+  assert float(a.overflow_fraction) == 0.0
+  assert float(a.zero_fraction) == pytest.approx(1 / 4)
+  assert float(a.max_abs) == 1.0
+  assert float(c.underflow_fraction) == 0.0
+  assert float(c.overflow_fraction) == pytest.approx(1 / 2)
+  assert float(c.max_abs) == 7e4
+  # Overall: denominators are the 5 non-zero elements.
+  assert float(r.underflow_fraction) == pytest.approx(2 / 5)
+  assert float(r.overflow_fraction) == pytest.approx(1 / 5)
+  assert float(r.zero_fraction) == pytest.approx(1 / 6)
+  assert float(r.max_abs) == 7e4
+  assert r.underflow_fraction.dtype == jnp.float32
+  assert r.dtype == np.dtype(jnp.float16)
+
+
+def test_scale_2_pow_10_rescues_2_pow_minus_30(maybe_jit):
+  r = report_fn(maybe_jit, jnp.float16)(hand_built(), jnp.float32(2.0**10))
+  assert float(r.per_leaf["a"].underflow_fraction) == 0.0
+  assert float(r.per_leaf["b/c"].overflow_fraction) == pytest.approx(1 / 2)  # 7e4 still does.
+  assert float(r.loss_scale) == 2.0**10
+
+
+def test_nothing_under_or_overflows_in_bf16(maybe_jit):
+  for scale in (1.0, 2.0**10):
+    r = report_fn(maybe_jit, jnp.bfloat16)(hand_built(), scale)
+    assert float(r.underflow_fraction) == 0.0
+    assert float(r.overflow_fraction) == 0.0
+    assert all(float(s.underflow_fraction) == 0 and float(s.overflow_fraction) == 0
+               for s in r.per_leaf.values())
+
+
+def test_f16_threshold_is_half_the_smallest_subnormal(maybe_jit):
+  # Round to nearest even: 2^-25 ties to 0, anything above it rounds to 2^-24.
+  g = {"g": jnp.array([2.0**-25, 2.0**-25 * 1.5, 2.0**-24], jnp.float32)}
+  r = report_fn(maybe_jit, jnp.float16)(g, 1.0)
+  assert float(r.underflow_fraction) == pytest.approx(1 / 3)
+
+
+def test_nonfinite_inputs_count_as_overflow_and_stay_out_of_the_histogram(maybe_jit):
+  g = {"g": jnp.array([jnp.nan, jnp.inf, -1.0, 0.0, 2.0**-30], jnp.float32)}
+  r = report_fn(maybe_jit, jnp.float16)(g, 1.0)
+  assert float(r.overflow_fraction) == pytest.approx(2 / 4)
+  assert float(r.underflow_fraction) == pytest.approx(1 / 4)
+  assert float(r.max_abs) == 1.0  # The largest finite |g|.
+  hist, edges = np.asarray(r.histogram), r.bin_edges
+  assert hist.sum() == 2 and len(edges) == len(hist) + 1
+  assert hist[list(edges).index(0)] == 1 and hist[list(edges).index(-30)] == 1
+
+
+def test_histogram_bins_are_floor_log2(maybe_jit):
+  g = {"x": jnp.array([1.0, 1.5, 1.999, 2.0, 0.75, 7e4], jnp.float32)}
+  r = report_fn(maybe_jit, jnp.float16)(g, 1.0)
+  hist, edges = np.asarray(r.histogram), list(r.bin_edges)
+  assert hist[edges.index(0)] == 3 and hist[edges.index(1)] == 1
+  assert hist[edges.index(-1)] == 1 and hist[edges.index(16)] == 1
+  assert hist.sum() == 6 and r.histogram.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("max_abs", [7e4, 1.0, 3.0, 2.0**-30, 123.456])
+def test_suggested_scale_is_the_largest_power_of_two_with_headroom(maybe_jit, dtype, max_abs):
+  g = {"w": jnp.array([max_abs, -max_abs / 3, 2.0**-30], jnp.float32)}
+  r = report_fn(maybe_jit, dtype)(g, 1.0)
+  s = float(r.suggested_loss_scale)
+  fmax = float(jnp.finfo(dtype).max)
+  assert np.log2(s) == int(np.log2(s))
+  assert max_abs * s * 2 <= fmax
+  assert s == 2.0**127 or fmax < max_abs * (2 * s) * 2  # Largest, up to float32's clamp.
+  at_s = jmp.gradient_report(g, dtype=dtype, loss_scale=s)
+  assert float(at_s.overflow_fraction) == 0.0
+  assert float(at_s.underflow_fraction) <= float(r.underflow_fraction)
+
+
+def test_suggested_scale_for_7e4_in_f16():
+  r = jmp.gradient_report({"g": jnp.array([7e4])})
+  assert float(r.suggested_loss_scale) == 0.25
+
+
+def test_all_zero_gradients():
+  r = jmp.gradient_report({"g": jnp.zeros(3), "h": jnp.zeros((0,))})
+  assert float(r.underflow_fraction) == 0.0 and float(r.overflow_fraction) == 0.0
+  assert float(r.per_leaf["h"].zero_fraction) == 0.0
+  assert float(r.zero_fraction) == 1.0
+  assert float(r.suggested_loss_scale) == 2.0**127
+
+
+def test_f16_gradient_leaves():
+  g = {"g": jnp.array([2.0**-20, 1.0], jnp.float16)}
+  r = jmp.gradient_report(g, loss_scale=2.0**-5)
+  assert float(r.underflow_fraction) == pytest.approx(1 / 2)
+
+
+@pytest.mark.parametrize("grads", [{}, {"n": jnp.arange(3)}, None, [None]])
+def test_no_floating_leaf_is_a_value_error(grads):
+  with pytest.raises(ValueError, match="floating"):
+    jmp.gradient_report(grads)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_loss_scale(scale):
+  with pytest.raises(ValueError, match="loss_scale"):
+    jmp.gradient_report({"g": jnp.ones(2)}, loss_scale=scale)
+
+
+def test_bad_dtype():
+  with pytest.raises(TypeError, match="int32"):
+    jmp.gradient_report({"g": jnp.ones(2)}, dtype=jnp.int32)
+
+
+def test_report_is_a_pytree_with_static_names():
+  r = jax.jit(jmp.gradient_report)(hand_built())
+  leaves, treedef = jax.tree.flatten(r)
+  assert all(isinstance(x, jax.Array) for x in leaves)
+  again = jax.tree.unflatten(treedef, leaves)
+  assert isinstance(again, jmp.GradientReport) and again.dtype == r.dtype
+  assert set(again.per_leaf) == {"a", "b/c"}
+  assert isinstance(again.per_leaf["a"], jmp.LeafStats)
+
+
+def test_plot_writes_a_real_png(tmp_path):
+  path = tmp_path / "hist.png"
+  jmp.gradient_report(hand_built(), loss_scale=2.0**10).plot(path)
+  data = path.read_bytes()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n"
+  image = matplotlib.image.imread(path)
+  assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+  assert image.shape[2] in (3, 4)
+  assert image[..., :3].std() > 0.05  # Not a blank canvas.
+
+
+def test_plot_into_axes():
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots()
+  try:
+    out = jmp.gradient_report(hand_built()).plot(ax=ax)
+    assert out is fig
+    assert "underflow 40.0%" in ax.get_title() and "overflow 20.0%" in ax.get_title()
+  finally:
+    plt.close(fig)
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  with pytest.raises(ImportError, match=r"examples"):
+    jmp.gradient_report(hand_built()).plot(tmp_path / "x.png")
+
+
+def test_summary_lists_the_worst_leaves_first():
+  text = jmp.gradient_report(hand_built()).summary()
+  lines = text.splitlines()
+  assert "underflow 40.00%" in lines[0] and "overflow 20.00%" in lines[0]
+  assert "suggested loss scale 2^-2" in lines[1]
+  assert lines[2].split() == ["leaf", "underflow", "overflow", "zero", "max|g|"]
+  assert lines[3].split()[:3] == ["b/c", "0.00%", "50.00%"]  # Overflow ranks first.
+  assert lines[4].split()[:3] == ["a", "66.67%", "0.00%"]
+  top1 = jmp.gradient_report(hand_built()).summary(top=1).splitlines()
+  assert top1[-1] == "... 1 more leaves" and len(top1) == 5
+  with pytest.raises(ValueError, match="top"):
+    jmp.gradient_report(hand_built()).summary(top=0)
+
+
+# --- nonfinite_paths --------------------------------------------------------
+
+
+def test_nonfinite_paths_through_the_train_step():
+  def loss_fn(params, batch):
+    p = params["params"]
+    # sqrt'(0) = inf: only "params/Dense_1/kernel" gets a non-finite gradient.
+    return jnp.sum(p["Dense_0"]["kernel"] * batch) + jnp.sum(jnp.sqrt(p["Dense_1"]["kernel"]))
+
+  params = {"params": {"Dense_0": {"kernel": jnp.ones(3)},
+                       "Dense_1": {"kernel": jnp.array([0.0, 1.0])},
+                       "count": jnp.int32(0)}}
+  tx = jmp.static_loss_scaling(optax.sgd(0.1), 1.0)
+  state = jmp.TrainState.create(params=params, tx=tx)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"), track_nonfinite=True, donate=False)
+  _, metrics = step(state, jnp.array([1.0, 2.0, 3.0]))
+  assert not bool(metrics["grads_finite"])
+  assert jmp.nonfinite_paths(metrics["nonfinite"]) == ["params/Dense_1/kernel"]
+  state = state.replace(params={**params, "params": {**params["params"],
+                                                    "Dense_1": {"kernel": jnp.ones(2)}}})
+  _, metrics = step(jmp.TrainState.create(params=state.params, tx=tx), jnp.ones(3))
+  assert jmp.nonfinite_paths(metrics["nonfinite"]) == []
+
+
+def test_nonfinite_paths_rejects_non_bool():
+  assert jmp.nonfinite_paths({"a": np.array([False, True]), "b": False}) == ["a"]
+  with pytest.raises(TypeError, match="'a'"):
+    jmp.nonfinite_paths({"a": jnp.ones(2)})
+
+
+# --- precision_lint ---------------------------------------------------------
+
+
+class Classifier(nn.Module):
+  """Dense(width) -> LayerNorm -> Dense(16) -> log-softmax in the compute dtype."""
+
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.LayerNorm()(nn.Dense(self.width)(x)))
+    return jax.nn.log_softmax(nn.Dense(16)(x))  # SOFTMAX LINE
+
+
+def classifier_loss(width):
+  model = Classifier(width)
+
+  def loss_fn(params, batch):
+    logp = model.apply(params, batch["x"])
+    return -jnp.mean(jnp.sum(logp.astype(jnp.float32) * batch["y"], axis=-1))
+
+  params = model.init(jax.random.key(0), jnp.ones((1, 32)))
+  batch = {"x": jnp.ones((8, 32)), "y": jax.nn.one_hot(jnp.arange(8), 16)}
+  return loss_fn, params, batch
+
+
+F16 = jmp.get_policy("mixed_float16")
+BF16_FP32_NORMS = jmp.get_policy("mixed_bfloat16").with_keep_full("LayerNorm")
+SOFTMAX_LINE = f"{pathlib.Path(__file__).name}:" + str(
+    next(i for i, line in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
+         if line.endswith("# SOFTMAX LINE")))
+
+
+def test_lint_flags_f16_softmax_and_a_100_wide_dense():
+  findings = jmp.precision_lint(*classifier_loss(100), policy=F16)
+  ops = [f.op for f in findings]
+  assert "softmax/logsumexp" in ops
+  softmax = findings[ops.index("softmax/logsumexp")]
+  assert SOFTMAX_LINE in softmax.source and "float16" in softmax.reason
+  dots = [f for f in findings if f.op == "dot_general"]
+  assert [d.reason.split(" not")[0] for d in dots] == ["output features 100", "contracting size 100"]
+  assert all("Classifier.__call__" in d.source for d in dots)
+  assert "loss" not in ops  # The loss is float32.
+  assert str(softmax).startswith(softmax.source + ": softmax/logsumexp: ")
+
+
+def test_lint_bf16_with_fp32_norms():
+  # Only the tensor-core alignment rule applies to bf16: the softmax passes,
+  # and the 100-wide Dense is flagged while a 128-wide one is not.
+  # (The float32 LayerNorm's output promotes the Dense(16) after it to float32,
+  # so its contracting size of 100 is not a bf16 matmul.)
+  findings = jmp.precision_lint(*classifier_loss(100), policy=BF16_FP32_NORMS)
+  assert [f.op for f in findings] == ["dot_general"]
+  assert "output features 100 not a multiple of 8 in bfloat16" in findings[0].reason
+  assert jmp.precision_lint(*classifier_loss(128), policy=BF16_FP32_NORMS) == []
+  assert [f.op for f in jmp.precision_lint(*classifier_loss(128), policy=F16)] == [
+      "softmax/logsumexp"]
+
+
+def test_lint_f16_loss_reductions_scan_and_conv():
+  def loss_fn(params, x):
+    def body(c, xi):
+      return c + jnp.exp(xi @ params["w"]), None  # Inside scan.
+    c, _ = jax.lax.scan(body, jnp.zeros((4, 8), x.dtype), x)
+    y = jax.lax.conv_general_dilated(c[None, :, :, None], params["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.sum(y)
+
+  params = {"w": jnp.ones((8, 8)), "k": jnp.ones((3, 3, 1, 12))}
+  findings = jmp.precision_lint(loss_fn, params, jnp.ones((5, 4, 8)), policy="mixed_float16")
+  ops = [f.op for f in findings]
+  assert ops == ["exp", "conv_general_dilated", "reduce_sum", "loss"]
+  assert "output channels 12" in findings[1].reason
+  assert all(pathlib.Path(__file__).name in f.source for f in findings)
+  assert jmp.precision_lint(loss_fn, params, jnp.ones((5, 4, 8)), policy="f32") == []
+
+
+def test_lint_bad_policy():
+  with pytest.raises(TypeError, match="policy"):
+    jmp.precision_lint(lambda x: x, jnp.ones(2), policy=3)
+
+
+# --- the underflow example --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def underflow(request):
+  sys.path.insert(0, str(EXAMPLES))
+  request.addfinalizer(lambda: sys.path.remove(str(EXAMPLES)))
+  return importlib.import_module("underflow")
+
+
+def test_underflow_rescue(underflow):
+  data = underflow.make_data()
+  plain = underflow.train("f16, no scaling", data, steps=100, chunk=100)
+  dynamic = underflow.train("f16, dynamic", data, steps=100, chunk=100)
+  assert plain.losses[0] == dynamic.losses[0]  # The same start.
+  # Without scaling every f16 gradient is zero and the loss stays put.
+  assert plain.zero_first > 0.95 and plain.zero_last > 0.95
+  assert plain.losses[-20:].mean() > 0.8 * plain.losses[0]
+  # With dynamic scaling it trains.
+  assert dynamic.zero_first < 0.75  # Only the zero-initialised layer's inputs.
+  assert dynamic.losses[-20:].mean() < 0.2 * dynamic.losses[0]
+  assert dynamic.final_scale >= 2.0**15 and dynamic.skipped == 0
+
+
+def test_underflow_example_smoke():
+  proc = subprocess.run([sys.executable, str(EXAMPLES / "underflow.py"), "--smoke"],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  assert "f16, no scaling" in proc.stdout and "f16, dynamic" in proc.stdout
+  assert "digits CNN" in proc.stdout and "output features 10" in proc.stdout
