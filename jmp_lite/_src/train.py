@@ -15,12 +15,30 @@ from jmp_lite._src import transform
 from jmp_lite._src import tree_utils
 
 _LOSS_MSG = "loss_fn must return a float scalar loss{aux}; got {what}"
+_AUX_MSG = "loss_fn was declared with has_aux=True and must return a (loss, aux) pair; got {what}"
+_STRUCTURE_MSG = (
+    "the {what} tree changed structure between calls of the same train step "
+    "(the step was first called with one structure and would silently recompile "
+    "for another).\n  expected: {expected}\n  received: {received}\n"
+    "Pass trees of the first structure, or build a separate step with "
+    "make_train_step for the new one."
+)
 
 
 def _to_master(x: Any) -> Any:
-  """Floating leaves narrower than float32 are upcast; f32/f64 are kept."""
-  if tree_utils.is_floating_array(x) and jnp.finfo(x.dtype).bits < 32:
-    return x.astype(jnp.float32)
+  """Floating leaves become float32 (or float64) jax arrays; others are kept.
+
+  Leaves narrower than float32 (bf16, f16, f8) are upcast to float32, numpy
+  floating arrays become jax arrays (float64 ones follow ``jax_enable_x64``),
+  and Python floats become float32 arrays (otherwise they would be treated as
+  constants and never trained).
+  """
+  if isinstance(x, float):
+    return jnp.asarray(x, jnp.float32)
+  if tree_utils.is_floating_array(x):
+    if jnp.finfo(x.dtype).bits < 32:
+      return jnp.asarray(x, jnp.float32)
+    return jnp.asarray(x)
   return x
 
 
@@ -52,7 +70,21 @@ class TrainState:
     """A fresh state: step 0, master params and ``tx.init`` over them.
 
     Floating leaves narrower than float32 (bf16, f16, f8) are upcast to
-    float32, so the state always holds full-precision master weights.
+    float32, so the state always holds full-precision master weights; a
+    Python float leaf becomes a float32 array. float32 and float64 leaves keep
+    their dtype. Non-floating leaves (int counters, PRNG keys) are kept as they
+    are; ``tx.init`` sees ``None`` in their place.
+
+    Args:
+      params: a pytree of parameters.
+      tx: an optax transformation, usually wrapped in
+        :func:`dynamic_loss_scaling` or :func:`static_loss_scaling`.
+
+    Returns:
+      A ``TrainState`` with ``step`` 0 (int32).
+
+    Raises:
+      TypeError: if ``tx`` is not an optax transformation.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -90,6 +122,56 @@ def _check_loss(loss: Any, has_aux: bool) -> jax.Array:
   return loss
 
 
+def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+  if not has_aux:
+    return out, None
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+      what = f"an array of shape {out.shape} dtype {out.dtype}"
+    elif isinstance(out, (tuple, list)):
+      what = f"a {type(out).__name__} of length {len(out)}"
+    else:
+      what = repr(type(out))
+    raise TypeError(_AUX_MSG.format(what=what))
+  return out[0], out[1]
+
+
+class _TrainStep:
+  """The jitted step plus a check that params and batch keep their structure.
+
+  The check compares tree structures on the Python side (cheap) before the
+  call. Attribute access (``lower``, ``trace``, ``eval_shape``, ...) goes to the
+  underlying ``jax.jit`` object.
+  """
+
+  def __init__(self, jitted: Callable[..., Any]):
+    self._jitted = jitted
+    self._structures: tuple[Any, Any] | None = None
+    self.__wrapped__ = jitted
+
+  def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    if not isinstance(state, TrainState):
+      raise TypeError(
+          f"state must be a jmp_lite.TrainState (see TrainState.create), got {type(state).__name__}"
+      )
+    structures = (jax.tree.structure(state.params), jax.tree.structure(batch))
+    if self._structures is not None:
+      for what, expected, received in zip(("params", "batch"), self._structures, structures):
+        if expected != received:
+          raise ValueError(
+              _STRUCTURE_MSG.format(what=what, expected=expected, received=received)
+          )
+    out = self._jitted(state, batch)
+    if self._structures is None:
+      self._structures = structures
+    return out
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("__") or name == "_jitted":
+      raise AttributeError(name)
+    return getattr(self._jitted, name)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     policy: policy_lib.Policy,
@@ -109,28 +191,56 @@ def make_train_step(
     updates, opt_state = tx.update(grads, opt_state, params)
     params  = optax.apply_updates(params, updates)
 
-  If ``tx`` carries no loss-scaling state (plain optax), the step still refuses
-  non-finite gradients: it keeps the old params and optimizer state by a
-  select. Wrap ``tx`` in :func:`static_loss_scaling` (scale 1) to skip cheaply
-  under ``lax.cond`` instead.
+  Only ``loss_fn``'s view of the params is in ``policy.compute_dtype``
+  (``keep_full`` leaves stay float32): the gradients, the optimizer update and
+  the stored params are float32. ``policy.param_dtype`` and ``output_dtype`` are
+  not used by the step. Non-floating leaves of params (int counters, PRNG keys)
+  and of the batch (labels) are passed through as they are; param ones are not
+  differentiated and come back unchanged.
+
+  Skipped steps: when a gradient is inf or NaN, the loss-scaling transformation
+  returns ``-0.0`` updates, so params and the inner optimizer state (Adam's
+  count, schedules) are unchanged bit for bit while the scale backs off.
+  ``state.step`` still increments: it counts calls, skipped ones included (the
+  skipped ones are in :func:`skipped_steps_of`). If ``tx`` carries no
+  loss-scaling state (plain optax), the step still refuses non-finite
+  gradients: it keeps the old params and optimizer state by a select. Wrap
+  ``tx`` in :func:`static_loss_scaling` (scale 1) to skip cheaply under
+  ``lax.cond`` instead.
+
+  The step compiles once per distinct input shapes and shardings, skipped steps
+  included. It remembers the tree structure of the params and the batch of its
+  first call and refuses another structure with a ``ValueError`` rather than
+  recompiling silently. It runs unchanged on sharded inputs (a
+  ``jax.sharding.Mesh`` with ``NamedSharding``s on the state and the batch):
+  XLA inserts the reductions, and the skip decision covers every shard.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a float scalar, or
       ``(loss, aux)`` when ``has_aux``.
     policy: the precision policy; its keep rules apply to params.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    donate: donate the state's buffers to the step (default on).
+    donate: donate the state's buffers to the step (default on): the state
+      passed in, and the params given to :meth:`TrainState.create` if they were
+      already float32 jax arrays, are deleted by the call. Use the returned
+      state, or pass ``donate=False`` to keep the old one.
     track_nonfinite: add ``metrics["nonfinite"]``, a bool pytree over params
-      marking the leaves whose gradients were non-finite.
+      marking the leaves whose (scaled) gradients were non-finite.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
-    ``grads_finite`` (bool), ``loss_scale`` (the scale used this step),
-    ``grad_norm`` (float32 global norm of the unscaled gradients), ``aux`` when
-    ``has_aux`` and ``nonfinite`` when ``track_nonfinite``.
+    ``grads_finite`` (bool; False means the step was skipped), ``loss_scale``
+    (the scale used this step), ``grad_norm`` (float32 global norm of the
+    unscaled gradients; inf or NaN on a skipped step), ``aux`` when ``has_aux``
+    and ``nonfinite`` when ``track_nonfinite``.
 
   Raises:
-    TypeError: at trace time, if the loss is not a float scalar.
+    TypeError: if ``loss_fn`` is not callable or ``policy`` is not a
+      :class:`Policy`; when the step is called, if ``state`` is not a
+      :class:`TrainState`, or (at trace time) if the loss is not a float
+      scalar or ``has_aux`` is set and ``loss_fn`` does not return a pair.
+    ValueError: when the step is called with params or a batch whose tree
+      structure differs from the first call's.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -158,8 +268,7 @@ def make_train_step(
 
     def scaled_loss(float_params):
       params = tree_utils.merge_floating(float_params, state.params)
-      out = loss_fn(policy.cast_to_compute(params), batch)
-      loss, aux = out if has_aux else (out, None)
+      loss, aux = _split_aux(loss_fn(policy.cast_to_compute(params), batch), has_aux)
       loss = _check_loss(loss, has_aux).astype(jnp.float32)
       return loss * scale, (loss, aux)
 
@@ -180,11 +289,12 @@ def make_train_step(
         opt_state=opt_state,
     )
     inv_scale = 1.0 / scale
+    unscaled = tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, grads)
     metrics = {
         "loss": loss,
         "grads_finite": grads_finite,
         "loss_scale": scale,
-        "grad_norm": optax.tree.norm(tree_utils.map_floating(lambda g: g * inv_scale, grads)),
+        "grad_norm": optax.tree.norm(unscaled).astype(jnp.float32),
     }
     if has_aux:
       metrics["aux"] = aux
@@ -197,4 +307,4 @@ def make_train_step(
       )
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  return _TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()))

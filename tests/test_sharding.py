@@ -1,0 +1,112 @@
+"""The same train step on 1 device, a 1-D data mesh and a 2-D (data, model) mesh.
+
+Runs in one subprocess with 4 host-platform CPU devices, since the device count
+is fixed when JAX starts.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jmp_lite as jmp
+
+    assert jax.device_count() == 4, jax.devices()
+
+    def loss_fn(params, batch):
+      h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+      logits = (h @ params["w2"]).astype(jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w1": jax.random.normal(k1, (8, 32)) * 0.5,
+        "b1": jnp.zeros(32),
+        "w2": jax.random.normal(k2, (32, 4)) * 0.3,
+        "count": jnp.int32(5),
+    }
+    batches = [
+        {"x": jax.random.normal(k, (16, 8)), "y": jax.random.randint(k, (16,), 0, 4)}
+        for k in jax.random.split(k3, 3)
+    ]
+    bad = dict(batches[0], x=batches[0]["x"].at[13, 2].set(jnp.nan))  # In the last shard.
+
+    tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**8)
+    step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
+
+    def run(param_shardings=None, batch_sharding=None):
+      p = params
+      if param_shardings is not None:
+        p = jax.tree.map(jax.device_put, params, param_shardings)
+      state = jmp.TrainState.create(params=jax.tree.map(jnp.copy, p), tx=tx)
+      for b in batches:
+        if batch_sharding is not None:
+          b = jax.device_put(b, batch_sharding)
+        state, metrics = step(state, b)
+        assert bool(metrics["grads_finite"])
+      before = jax.tree.map(np.asarray, state.params)
+      if batch_sharding is not None:
+        bad_b = jax.device_put(bad, batch_sharding)
+        assert len(bad_b["x"].sharding.device_set) == 4
+      else:
+        bad_b = bad
+      state, metrics = step(state, bad_b)
+      assert not bool(metrics["grads_finite"])
+      assert float(jmp.loss_scale_of(state.opt_state)) == 2.0**7
+      # Every device skipped: every shard of every param is unchanged, bit for bit.
+      for name, leaf in state.params.items():
+        for shard in leaf.addressable_shards:
+          np.testing.assert_array_equal(np.asarray(shard.data), before[name][shard.index])
+          assert np.asarray(shard.data).tobytes() == before[name][shard.index].tobytes(), name
+      return state, before
+
+    single, single_params = run()
+    assert len(single.params["w1"].sharding.device_set) == 1
+
+    data_mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated = NamedSharding(data_mesh, P())
+    dp, dp_params = run(
+        jax.tree.map(lambda _: replicated, params), NamedSharding(data_mesh, P("data"))
+    )
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    model_shardings = {
+        "w1": NamedSharding(mesh, P(None, "model")),
+        "b1": NamedSharding(mesh, P("model")),
+        "w2": NamedSharding(mesh, P("model", None)),
+        "count": NamedSharding(mesh, P()),
+    }
+    mp, mp_params = run(model_shardings, NamedSharding(mesh, P("data")))
+    assert mp.params["w1"].sharding.is_equivalent_to(model_shardings["w1"], 2)
+    assert len({str(s.index) for s in mp.params["w1"].addressable_shards}) == 2
+
+    for other in (dp_params, mp_params):
+      for name in ("w1", "b1", "w2"):
+        np.testing.assert_allclose(other[name], single_params[name], rtol=2e-3, atol=2e-4)
+      assert int(other["count"]) == 5
+    for state in (dp, mp):
+      for leaf in jax.tree.leaves(state.opt_state):
+        assert np.isfinite(np.asarray(leaf)).all()
+    print("ok")
+    """
+)
+
+
+def test_same_step_on_one_device_data_mesh_and_2d_mesh():
+  env = dict(os.environ)
+  flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  env["XLA_FLAGS"] = flags.strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+  assert proc.stdout.strip().endswith("ok"), proc.stdout

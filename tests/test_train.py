@@ -1,0 +1,407 @@
+"""The train step: numerics against an fp32 reference, skipping, state, errors, orbax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jmp_lite as jmp
+
+DTYPES = {
+    "float32": (jnp.float32, 1e-5),
+    "bfloat16": (jnp.bfloat16, 3e-2),
+    "float16": (jnp.float16, 5e-3),
+}
+
+
+def make_params(seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return {
+      "w1": jax.random.normal(k1, (6, 16), jnp.float32) * 0.5,
+      "b1": jax.random.normal(k2, (16,), jnp.float32) * 0.1,
+      "w2": jax.random.normal(k3, (16, 3), jnp.float32) * 0.3,
+  }
+
+
+def make_batch(seed=1, n=32):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (n, 6), jnp.float32)
+  return {"x": x, "y": jax.random.randint(ky, (n,), 0, 3)}
+
+
+def mlp_loss(params, batch):
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  logits = (h @ params["w2"]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def poison(batch, index=(3, 2)):
+  return dict(batch, x=batch["x"].at[index].set(jnp.nan))
+
+
+def host(tree):
+  """A host copy, so that donated buffers can still be compared afterwards."""
+  return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+
+
+def assert_bitwise_equal(a, b):
+  leaves_a, tree_a = jax.tree.flatten(host(a))
+  leaves_b, tree_b = jax.tree.flatten(host(b))
+  assert tree_a == tree_b
+  for x, y in zip(leaves_a, leaves_b):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+def inner_adam_state(opt_state):
+  """The ScaleByAdamState inside dynamic_loss_scaling(optax.adam(...))."""
+  adam_state, = [
+      s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+      if isinstance(s, optax.ScaleByAdamState)
+  ]
+  return adam_state
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_step_matches_fp32_reference(name):
+  compute_dtype, tol = DTYPES[name]
+  seen = []
+
+  def loss_fn(params, batch):
+    seen.append((jax.tree.map(lambda p: p.dtype, params), batch["x"].dtype, batch["y"].dtype))
+    return mlp_loss(params, batch)
+
+  params, batch = make_params(), make_batch()
+  ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
+  # sgd(1.0) turns the update into -grads, so the step's gradients can be read
+  # off the params.
+  tx = jmp.static_loss_scaling(optax.sgd(1.0), 2.0**7)
+  state = jmp.TrainState.create(params=params, tx=tx)
+  policy = jmp.Policy(jnp.float32, compute_dtype, jnp.float32)
+  step = jmp.make_train_step(loss_fn, policy, donate=False)
+  new_state, metrics = step(state, batch)
+
+  # donate=False keeps the input state alive.
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  (param_dtypes, x_dtype, y_dtype), = seen  # Traced once.
+  assert all(d == compute_dtype for d in jax.tree.leaves(param_dtypes))
+  assert x_dtype == compute_dtype and y_dtype == jnp.int32  # Labels are not cast.
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_state.params))
+  grads = jax.tree.map(lambda old, new: old - new, state.params, new_state.params)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    scale = float(jnp.abs(r).max())
+    np.testing.assert_allclose(g, r, rtol=tol, atol=tol * scale)
+  assert metrics["loss"].dtype == jnp.float32 and metrics["loss"].shape == ()
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=tol)
+  assert metrics["grad_norm"].dtype == jnp.float32
+  np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(ref_grads), rtol=tol)
+  assert float(metrics["loss_scale"]) == 2.0**7
+  assert metrics["grads_finite"].dtype == jnp.bool_ and bool(metrics["grads_finite"])
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_small_updates_accumulate_in_fp32_masters(name):
+  # 1 - 1e-4 rounds back to 1 in bf16 and f16: the updates survive only because
+  # gradients are taken with respect to, and applied to, the float32 masters.
+  def loss_fn(params, batch):
+    assert params["w"].dtype == batch["x"].dtype == DTYPES[name][0]
+    return jnp.sum(params["w"] * batch["x"]).astype(jnp.float32)
+
+  tx = jmp.static_loss_scaling(optax.sgd(1.0), 2.0**10)
+  state = jmp.TrainState.create(params={"w": jnp.ones(4, DTYPES[name][0])}, tx=tx)
+  step = jmp.make_train_step(loss_fn, jmp.Policy(jnp.float32, DTYPES[name][0], jnp.float32))
+  for _ in range(10):
+    state, metrics = step(state, {"x": jnp.full(4, 1e-4)})
+  assert state.params["w"].dtype == jnp.float32
+  np.testing.assert_allclose(state.params["w"], 1.0 - 10 * float(DTYPES[name][0](1e-4)), rtol=1e-6)
+  assert float(jnp.asarray(1.0 - 1e-4, DTYPES[name][0])) == 1.0
+
+
+def test_adam_training_follows_the_fp32_reference():
+  params, batch = make_params(), make_batch()
+  opt = optax.adam(1e-2)
+  ref_params, ref_opt = params, opt.init(params)
+
+  @jax.jit
+  def ref_step(p, s):
+    loss, g = jax.value_and_grad(mlp_loss)(p, batch)
+    updates, s = opt.update(g, s, p)
+    return optax.apply_updates(p, updates), s, loss
+
+  state = jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(opt, init_scale=2.0**8))
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("p=f32,c=f32"))
+  losses = []
+  for _ in range(5):
+    ref_params, ref_opt, ref_loss = ref_step(ref_params, ref_opt)
+    state, metrics = step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+    losses.append(float(metrics["loss"]))
+  for p, r in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(p, r, rtol=1e-5, atol=1e-6)
+  assert losses[-1] < losses[0]
+
+
+def test_poisoned_batch_skips_the_step_bit_for_bit():
+  schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=10)
+  inner = optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule))
+  tx = jmp.dynamic_loss_scaling(inner, init_scale=2.0**10, growth_interval=100)
+  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"))
+  batch = make_batch()
+  for _ in range(2):
+    old = state
+    state, metrics = step(state, batch)
+    assert bool(metrics["grads_finite"])
+    # Donation is on by default: the old state's buffers are gone. (A live
+    # zero-copy NumPy view, np.asarray(x) on CPU, would keep them alive.)
+    assert all(x.is_deleted() for x in jax.tree.leaves(old))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+  before = host(state)
+  scale = float(jmp.loss_scale_of(state.opt_state))
+  state, metrics = step(state, poison(batch))
+  assert not bool(metrics["grads_finite"])
+  assert float(metrics["loss_scale"]) == scale  # The scale this step used.
+  assert_bitwise_equal(state.params, before.params)
+  # Adam's moments and count, and the schedule's count, did not advance.
+  assert_bitwise_equal(state.opt_state.inner_state, before.opt_state.inner_state)
+  adam_state = inner_adam_state(state.opt_state)
+  schedule_state = state.opt_state.inner_state[1]
+  assert int(adam_state.count) == 2 and int(schedule_state.count) == 2
+  assert float(jmp.loss_scale_of(state.opt_state)) == scale / 2
+  assert int(jmp.skipped_steps_of(state.opt_state)) == 1
+  assert int(state.step) == 3  # step counts calls, skipped ones included.
+
+  state, metrics = step(state, batch)  # Training resumes at the halved scale.
+  assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == scale / 2
+  assert int(inner_adam_state(state.opt_state).count) == 3
+  assert int(state.opt_state.inner_state[1].count) == 3
+  assert not np.array_equal(state.params["w1"], before.params["w1"])
+
+
+def test_plain_optax_tx_refuses_non_finite_gradients():
+  state = jmp.TrainState.create(params=make_params(), tx=optax.adam(1e-2))
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
+  batch = make_batch()
+  state, metrics = step(state, batch)
+  assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 1.0
+  before = host(state)
+  state, metrics = step(state, poison(batch))
+  assert not bool(metrics["grads_finite"])
+  assert_bitwise_equal(state.params, before.params)
+  assert_bitwise_equal(state.opt_state, before.opt_state)
+  assert jmp.all_finite(state.params)
+  state, metrics = step(state, batch)
+  assert bool(metrics["grads_finite"])
+  assert int(inner_adam_state(state.opt_state).count) == 2
+
+
+def test_non_floating_params_pass_through_untouched():
+  seen = {}
+
+  def loss_fn(params, batch):
+    seen["count"] = params["count"].dtype
+    seen["key"] = params["key"].dtype
+    noise = jax.random.normal(params["key"], batch["x"].shape, batch["x"].dtype)
+    scale = params["count"].astype(batch["x"].dtype)
+    return mlp_loss(params["mlp"], dict(batch, x=batch["x"] + 0.01 * scale * noise))
+
+  params = {"mlp": make_params(), "count": jnp.int32(7), "key": jax.random.key(3)}
+  state = jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(optax.adam(1e-2)))
+  adam_state = inner_adam_state(state.opt_state)
+  assert adam_state.mu["count"] is None and adam_state.mu["key"] is None
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), track_nonfinite=True)
+  key_data = np.asarray(jax.random.key_data(params["key"]))
+  for _ in range(3):
+    state, metrics = step(state, make_batch())
+  assert seen["count"] == jnp.int32 and jax.dtypes.issubdtype(seen["key"], jax.dtypes.prng_key)
+  assert state.params["count"].dtype == jnp.int32 and int(state.params["count"]) == 7
+  np.testing.assert_array_equal(jax.random.key_data(state.params["key"]), key_data)
+  assert not bool(metrics["nonfinite"]["count"]) and not bool(metrics["nonfinite"]["key"])
+  assert int(state.step) == 3
+
+
+def test_has_aux_and_track_nonfinite_mark_the_bad_leaf():
+  def loss_fn(params, batch):
+    out = jnp.sum(params["a"] * batch["x"]) + jnp.sum(params["b"] * batch["z"])
+    out = out + jnp.sum(params["c"] ** 2)
+    return out.astype(jnp.float32), {"z_sum": jnp.sum(batch["z"]), "n": batch["n"]}
+
+  params = {"a": jnp.arange(3.0), "b": jnp.ones(3), "c": jnp.full(2, 0.5), "i": jnp.int32(1)}
+  tx = jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=4.0)
+  state = jmp.TrainState.create(params=params, tx=tx)
+  step = jmp.make_train_step(
+      loss_fn, jmp.get_policy("mixed_float16"), has_aux=True, track_nonfinite=True
+  )
+  batch = {"x": jnp.linspace(-1.0, 1.0, 3), "z": jnp.array([1.0, 2.0, 3.0]), "n": jnp.int32(5)}
+  state, metrics = step(state, batch)
+  assert float(metrics["aux"]["z_sum"]) == 6.0 and metrics["aux"]["z_sum"].dtype == jnp.float16
+  assert int(metrics["aux"]["n"]) == 5
+  clean = {"a": False, "b": False, "c": False, "i": False}
+  assert jax.tree.map(bool, metrics["nonfinite"]) == clean
+
+  before = host(state.params)
+  state, metrics = step(state, dict(batch, z=batch["z"].at[1].set(jnp.inf)))
+  assert jax.tree.map(bool, metrics["nonfinite"]) == dict(clean, b=True)
+  assert not bool(metrics["grads_finite"])
+  assert_bitwise_equal(state.params, before)
+
+
+def test_no_retrace_and_stable_state_across_steps_including_skips():
+  traces = []
+
+  def loss_fn(params, batch):
+    traces.append(1)
+    return mlp_loss(params, batch)
+
+  tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**4, growth_interval=2)
+  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
+  batch = make_batch()
+  spec = jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "weak_type", False)), state)
+  for b in [batch, batch, poison(batch), batch, poison(batch), poison(batch), batch]:
+    state, _ = step(state, b)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "weak_type", False)), state) == spec
+  assert len(traces) == 1
+  assert int(state.step) == 7 and int(jmp.skipped_steps_of(state.opt_state)) == 3
+
+
+def test_train_state_create_makes_fp32_masters():
+  params = {
+      "bf16": jnp.ones(3, jnp.bfloat16),
+      "f16_numpy": np.full(2, 0.5, np.float16),
+      "f32": jnp.arange(2.0),
+      "f64_numpy": np.linspace(0.0, 1.0, 3),  # float64; x64 is off, so float32.
+      "python": 1.5,
+      "count": jnp.int32(4),
+      "flag": True,
+  }
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.1))
+  assert state.step.dtype == jnp.int32 and int(state.step) == 0
+  p = state.params
+  for name in ("bf16", "f16_numpy", "f32", "f64_numpy", "python"):
+    assert isinstance(p[name], jax.Array) and p[name].dtype == jnp.float32, name
+  np.testing.assert_array_equal(p["f16_numpy"], [0.5, 0.5])
+  assert float(p["python"]) == 1.5
+  assert p["count"] is params["count"] and p["flag"] is True
+  assert jax.tree.leaves(state.opt_state) == []  # sgd without momentum has no state.
+
+  def loss_fn(params, batch):
+    del batch
+    return jnp.sum(params["bf16"] ** 2) + params["python"] ** 2
+
+  state, _ = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"))(state, {})
+  assert state.params["bf16"].dtype == jnp.float32
+  np.testing.assert_allclose(state.params["bf16"], 0.8)
+  np.testing.assert_allclose(state.params["python"], 1.2)  # A Python float is trained too.
+
+
+def test_bad_arguments_are_rejected():
+  with pytest.raises(TypeError, match="tx must be an optax transformation"):
+    jmp.TrainState.create(params={}, tx="adam")
+  with pytest.raises(TypeError, match="policy must be a jmp_lite.Policy"):
+    jmp.make_train_step(mlp_loss, "mixed_float16")
+  with pytest.raises(TypeError, match="loss_fn must be callable"):
+    jmp.make_train_step(3, jmp.get_policy("f32"))
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("f32"))
+  with pytest.raises(TypeError, match="must be a jmp_lite.TrainState.*dict"):
+    step({"params": make_params()}, make_batch())
+
+
+@pytest.mark.parametrize(
+    "loss_fn, has_aux, what",
+    [
+        (lambda p, b: jnp.sum(p["w"] * b["x"], axis=0), False, r"shape \(3,\) dtype bfloat16"),
+        (lambda p, b: jnp.sum(p["w"] * b["x"]).astype(jnp.int32), False, "dtype int32"),
+        (lambda p, b: 1.0, False, "class 'float'"),
+        (lambda p, b: (jnp.sum(p["w"] * b["x"], axis=0), 0), True, r"\(loss, aux\)"),
+    ],
+    ids=["vector", "int", "python-float", "vector-with-aux"],
+)
+def test_loss_must_be_a_float_scalar(loss_fn, has_aux, what):
+  state = jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), has_aux=has_aux)
+  with pytest.raises(TypeError, match="scalar") as info:
+    step(state, {"x": jnp.ones((2, 3))})
+  assert info.match(what)
+
+
+def test_has_aux_needs_a_pair():
+  state = jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+  step = jmp.make_train_step(lambda p, b: jnp.sum(p["w"]), jmp.get_policy("f32"), has_aux=True)
+  with pytest.raises(TypeError, match=r"has_aux=True .* pair; got an array of shape \(\)"):
+    step(state, {})
+  def triple(params, batch):
+    del batch
+    return jnp.sum(params["w"]), 1, 2
+
+  step = jmp.make_train_step(triple, jmp.get_policy("f32"), has_aux=True)
+  with pytest.raises(TypeError, match=r"\(loss, aux\) pair; got a tuple of length 3"):
+    step(state, {})
+
+
+def test_changing_tree_structure_between_calls_is_an_error():
+  tx = optax.sgd(0.1)
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
+  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  batch = make_batch()
+  state, _ = step(state, batch)
+  state, _ = step(state, make_batch(seed=2, n=8))  # A new shape is fine (it compiles).
+
+  with pytest.raises(ValueError, match=r"batch tree changed structure(.|\n)*expected(.|\n)*'w'"):
+    step(state, dict(batch, w=jnp.ones(32)))
+  with pytest.raises(ValueError, match=r"batch tree changed(.|\n)*received: PyTreeDef\(\*\)"):
+    step(state, batch["x"])
+  bigger = jmp.TrainState.create(params=dict(make_params(), extra=jnp.ones(2)), tx=tx)
+  with pytest.raises(ValueError, match=r"params tree changed structure(.|\n)*'extra'"):
+    step(bigger, batch)
+  state, metrics = step(state, batch)  # The original structures still work.
+  assert bool(metrics["grads_finite"])
+
+
+def test_orbax_checkpoint_resumes_bit_for_bit(tmp_path):
+  tx = jmp.dynamic_loss_scaling(
+      optax.chain(
+          optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(1e-2, 10))
+      ),
+      init_scale=2.0**12,
+      growth_interval=2,
+  )
+  params = dict(make_params(), count=jnp.int32(2))
+
+  def loss_fn(params, batch):
+    return mlp_loss({k: v for k, v in params.items() if k != "count"}, batch)
+
+  def fresh():
+    return jmp.TrainState.create(params=jax.tree.map(jnp.copy, params), tx=tx)
+
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
+  batches = [make_batch(seed=i) for i in range(6)]
+  batches[4] = poison(batches[4])
+
+  state = fresh()
+  for b in batches:
+    state, _ = step(state, b)
+  uninterrupted = host(state)
+
+  state = fresh()
+  for b in batches[:3]:
+    state, _ = step(state, b)
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, state)
+    ckptr.wait_until_finished()
+    template = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh())
+    restored = ckptr.restore(path, template)
+    abstract = ckptr.restore(path, jax.eval_shape(fresh))
+  assert isinstance(restored, jmp.TrainState) and restored.tx is template.tx
+  assert_bitwise_equal(restored, state)
+  assert_bitwise_equal(abstract, state)
+  assert int(restored.step) == 3
+
+  for b in batches[3:]:
+    restored, _ = step(restored, b)
+  assert int(jmp.skipped_steps_of(restored.opt_state)) == 1
+  assert_bitwise_equal(restored, uninterrupted)
