@@ -62,3 +62,14 @@ def test_readme_quickstart_runs():
   namespace = {}
   exec(compile(code, "README-quickstart", "exec"), namespace)
   assert float(namespace["metrics"]["loss"]) < 0.05
+
+
+def test_readme_loss_scaling_example_runs():
+  readme = (ROOT / "README.md").read_text()
+  section = readme[readme.index("## Loss-scaling optimizer"):]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  namespace = {}
+  exec(compile(code, "README-loss-scaling", "exec"), namespace)
+  state = namespace["new_opt_state"]
+  assert float(jmp_lite.loss_scale_of(state)) == 2.0**14
+  assert int(jmp_lite.skipped_steps_of(state)) == 1
