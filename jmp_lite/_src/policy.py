@@ -48,7 +48,10 @@ _KERAS_NAMES = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
 }
-_ALLOWED_DTYPES_MSG = "allowed dtype names: " + ", ".join(sorted([*_DTYPE_NAMES, "half"]))
+_ALLOWED_DTYPES_MSG = (
+    "allowed dtype names: " + ", ".join(sorted([*_DTYPE_NAMES, "half"]))
+    + ", or a full floating dtype name such as float8_e4m3fn"
+)
 _ALLOWED_KEYS_MSG = "allowed keys: " + ", ".join(sorted(_KEYS))
 _GRAMMAR_MSG = (
     "a policy is a dtype name (e.g. 'bf16'), a Keras name "
@@ -214,12 +217,16 @@ def _parse_dtype(name: str, context: str) -> np.dtype:
     return half_dtype()
   if key in _DTYPE_NAMES:
     return np.dtype(_DTYPE_NAMES[key])
-  try:
-    d = jnp.dtype(key)
-  except TypeError:
-    d = None
-  if d is not None and jnp.issubdtype(d, jnp.floating):
-    return d  # Any other floating dtype numpy knows, e.g. "float8_e4m3fn".
+  # Any other floating dtype by its full name, e.g. "float8_e4m3fn". Numpy's
+  # type codes ("f8" is float64, "e", "d") and anything its parser chokes on
+  # are not accepted.
+  if re.fullmatch(r"[a-z][a-z0-9_]*", key):
+    try:
+      d = jnp.dtype(key)
+    except (TypeError, ValueError, SyntaxError):
+      d = None
+    if d is not None and d.name == key and jnp.issubdtype(d, jnp.floating):
+      return d
   raise ValueError(f"unknown or non-floating dtype {name!r} in {context!r}; {_ALLOWED_DTYPES_MSG}")
 
 

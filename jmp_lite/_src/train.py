@@ -122,6 +122,17 @@ def _check_loss(loss: Any, has_aux: bool) -> jax.Array:
   return loss
 
 
+def _check_master_params(params: Any) -> None:
+  """Refuses half-precision masters (runs at trace time, so once per compile)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if tree_utils.is_floating_array(leaf) and jnp.finfo(leaf.dtype).bits < 32:
+      raise TypeError(
+          f"state.params must hold float32 (or float64) master weights, but "
+          f"{tree_utils.path_str(path)!r} is {leaf.dtype}; build the state with "
+          "TrainState.create, which upcasts half-precision params"
+      )
+
+
 def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
   if not has_aux:
     return out, None
@@ -262,6 +273,7 @@ def make_train_step(
   compute_dtype = policy.compute_dtype
 
   def step(state: TrainState, batch: Any):
+    _check_master_params(state.params)
     scale = transform.loss_scale_of(state.opt_state)
     batch = policy_lib._cast_floating(batch, compute_dtype)
     float_params = tree_utils.floating_part(state.params)

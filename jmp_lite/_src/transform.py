@@ -127,17 +127,20 @@ def _loss_scaling(
     updates, inner_state = jax.lax.cond(finite, apply, skip, operand)
 
     zero = jnp.zeros((), jnp.int32)
+    # The new scale always obeys *this* transformation's configuration, even
+    # for a state restored from a checkpoint written under another one. The
+    # scale used above stays the state's, because the loss was multiplied by it.
     if dynamic:
       count = jnp.where(finite, _saturating_increment(state.growth_count), zero)
       grow = count >= growth_interval
       grown = scale * growth_factor
       # Like GradScaler, a growth that overflows float32 keeps the old scale.
-      grown = jnp.minimum(jnp.where(jnp.isfinite(grown), grown, scale), max_scale32)
-      backed_off = jnp.maximum(scale * backoff_factor, min_scale32)
-      new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+      grown = jnp.where(jnp.isfinite(grown), grown, scale)
+      new_scale = jnp.where(finite, jnp.where(grow, grown, scale), scale * backoff_factor)
+      new_scale = jnp.clip(new_scale, min_scale32, max_scale32)
       count = jnp.where(grow, zero, count)
     else:
-      new_scale, count = scale, state.growth_count
+      new_scale, count = jnp.full((), init_scale, jnp.float32), state.growth_count
     new_state = LossScaleState(
         loss_scale=new_scale.astype(jnp.float32),
         growth_count=count.astype(jnp.int32),

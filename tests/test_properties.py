@@ -1,0 +1,397 @@
+"""Property tests (issue 7): the scalers against plain-Python models, casting, policy strings.
+
+Each scaler configuration is compiled once and runs a batch of random overflow
+patterns with ``vmap`` over a ``lax.scan``, so the examples stay cheap.
+"""
+
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jmp
+
+F32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
+PATTERN_LEN = 48
+N_PATTERNS = 6
+
+# Every scaler example compiles its own configuration: keep them few, and do
+# not shrink (each shrink step compiles again); a failure still prints its example.
+SETTINGS = hypothesis.settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
+    phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate],
+)
+
+# ----------------------------------------------------------- dynamic_loss_scaling
+
+
+def gradscaler_model(pattern, init_scale, growth_factor, backoff_factor, interval, lo, hi):
+  """torch.amp.GradScaler's update rule plus a floor and a cap, in float32 arithmetic.
+
+  Returns the scale used on each step and the state after each step.
+  """
+  f32 = np.float32
+  scale, count, skipped, consecutive = f32(init_scale), 0, 0, 0
+  lo = f32(lo)
+  hi = f32(hi) if hi <= F32_MAX else f32(np.inf)
+  used, after = [], []
+  for finite in pattern:
+    used.append(scale)
+    with np.errstate(over="ignore"):
+      if finite:
+        count = min(count + 1, INT32_MAX)
+        consecutive = 0
+        if count >= interval:
+          grown = scale * f32(growth_factor)
+          scale = min(grown if np.isfinite(grown) else scale, hi)
+          count = 0
+      else:
+        scale = max(scale * f32(backoff_factor), lo)
+        count = 0
+        skipped += 1
+        consecutive += 1
+    after.append((scale, count, skipped, consecutive))
+  return used, after
+
+
+@st.composite
+def scaler_configs(draw):
+  lo = 2.0 ** draw(st.integers(-40, 8)) * draw(st.floats(1.0, 1.9))
+  if draw(st.booleans()):
+    hi = math.inf
+    init = draw(st.floats(lo, F32_MAX / 4)) if draw(st.booleans()) else draw(st.floats(lo, lo * 64))
+  else:
+    hi = lo * 2.0 ** draw(st.integers(0, 12)) * draw(st.floats(1.0, 1.5))
+    init = draw(st.floats(lo, hi))
+  return dict(
+      init_scale=init,
+      growth_factor=draw(st.floats(1.0, 16.0, exclude_min=True)),
+      backoff_factor=draw(st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)),
+      growth_interval=draw(st.integers(1, 6)),
+      min_scale=lo,
+      max_scale=hi,
+  )
+
+
+def overflow_patterns():
+  p = st.floats(0.0, 1.0)
+  return st.lists(p, min_size=N_PATTERNS, max_size=N_PATTERNS).flatmap(
+      lambda rates: st.tuples(
+          *[st.lists(st.floats(0, 1).map(lambda u, r=r: u >= r), min_size=PATTERN_LEN,
+                     max_size=PATTERN_LEN) for r in rates]
+      )
+  )
+
+
+def run_transform(tx, patterns, poison_values):
+  """Runs ``tx.update`` over each overflow pattern (vmapped scan, one compilation)."""
+  params = {"a": jnp.ones(3, jnp.float32), "b": jnp.ones(2, jnp.float16)}
+
+  def one(finite_row, poison_row):
+    def body(state, xs):
+      finite, poison = xs
+      scale = jmp.loss_scale_of(state)
+      bad = jnp.where(finite, jnp.float32(0), poison)
+      # Gradients of the scaled loss; the poison lands in one leaf only. The
+      # float16 leaf stays in range whatever the scale (its true gradient is
+      # 1 / scale), so only the injected poison is non-finite.
+      grads = {
+          "a": jnp.ones(3, jnp.float32) * scale,
+          "b": (jnp.ones(2, jnp.float32) + bad).astype(jnp.float16),
+      }
+      _, state = tx.update(grads, state, params)
+      return state, (scale, state.loss_scale, state.growth_count, state.skipped_steps,
+                     state.consecutive_skips)
+
+    return jax.lax.scan(body, tx.init(params), (finite_row, poison_row))[1]
+
+  return jax.tree.map(np.asarray, jax.jit(jax.vmap(one))(patterns, poison_values))
+
+
+@SETTINGS
+@hypothesis.given(config=scaler_configs(), patterns=overflow_patterns(), seed=st.integers(0, 2**16))
+def test_dynamic_loss_scaling_matches_gradscaler_model(config, patterns, seed):
+  tx = jmp.dynamic_loss_scaling(optax.sgd(1.0), **config)
+  patterns = np.array(patterns, bool)
+  poison = np.random.default_rng(seed).choice(
+      np.array([np.nan, np.inf, -np.inf], np.float32), size=patterns.shape
+  )
+  used, scale, count, skipped, consecutive = run_transform(tx, jnp.asarray(patterns), poison)
+  assert scale.dtype == np.float32 and count.dtype == np.int32
+  for i, pattern in enumerate(patterns):
+    m_used, m_after = gradscaler_model(
+        pattern,
+        config["init_scale"],
+        config["growth_factor"],
+        config["backoff_factor"],
+        config["growth_interval"],
+        config["min_scale"],
+        config["max_scale"],
+    )
+    np.testing.assert_array_equal(used[i], np.array(m_used, np.float32))
+    m_scale, m_count, m_skipped, m_consecutive = (np.array(c) for c in zip(*m_after))
+    np.testing.assert_array_equal(scale[i], m_scale.astype(np.float32))
+    np.testing.assert_array_equal(count[i], m_count)
+    np.testing.assert_array_equal(skipped[i], m_skipped)
+    np.testing.assert_array_equal(consecutive[i], m_consecutive)
+    assert np.isfinite(scale[i]).all() and (scale[i] > 0).all()
+    assert (scale[i] >= np.float32(config["min_scale"])).all()
+    if math.isfinite(config["max_scale"]):
+      assert (scale[i] <= np.float32(config["max_scale"])).all()
+
+
+@hypothesis.settings(SETTINGS, max_examples=5)
+@hypothesis.given(
+    scale=st.floats(2.0**-20, 2.0**40), patterns=overflow_patterns(), seed=st.integers(0, 2**16)
+)
+def test_static_loss_scaling_never_changes_and_counts_skips(scale, patterns, seed):
+  tx = jmp.static_loss_scaling(optax.sgd(1.0), scale)
+  patterns = np.array(patterns, bool)
+  poison = np.random.default_rng(seed).choice(np.array([np.nan, np.inf], np.float32), patterns.shape)
+  used, new_scale, count, skipped, consecutive = run_transform(tx, jnp.asarray(patterns), poison)
+  assert (used == np.float32(scale)).all() and (new_scale == np.float32(scale)).all()
+  assert (count == 0).all()
+  np.testing.assert_array_equal(skipped, np.cumsum(~patterns, axis=1))
+  for i, pattern in enumerate(patterns):
+    run = 0
+    for t, finite in enumerate(pattern):
+      run = 0 if finite else run + 1
+      assert consecutive[i, t] == run
+
+
+# ------------------------------------------------------ DynamicLossScale.adjust
+
+
+def jmp_model(pattern, scale, period, factor, floor, dtype):
+  """jmp's DynamicLossScale.adjust rule, in the scale's dtype."""
+  dtype = np.dtype(dtype)
+  scale, factor, floor = dtype.type(scale), dtype.type(factor), dtype.type(floor)
+  counter, out = 0, []
+  for finite in pattern:
+    with np.errstate(over="ignore"):
+      if finite:
+        if counter == period - 1:
+          grown = scale * factor
+          scale = grown if np.isfinite(grown) else scale
+          counter = 0
+        else:
+          counter += 1
+      else:
+        scale = max(floor, scale / factor)
+        counter = 0
+    out.append((scale, counter))
+  return out
+
+
+@SETTINGS
+@hypothesis.given(
+    dtype=st.sampled_from([np.float32, np.float16]),
+    period=st.integers(1, 6),
+    factor=st.sampled_from([2.0, 4.0, 8.0, 1.5, 3.0, 10.0]) | st.floats(1.01, 8.0),
+    log_scale=st.integers(0, 15),
+    floor=st.sampled_from([1.0, 0.5, 4.0, 2.0**-10]),
+    patterns=overflow_patterns(),
+)
+def test_dynamic_loss_scale_adjust_matches_jmp_model(dtype, period, factor, log_scale, floor, patterns):
+  init = jmp.DynamicLossScale(
+      jnp.asarray(2.0**log_scale, dtype), period=period, factor=factor,
+      min_loss_scale=jnp.asarray(floor, dtype),
+  )
+
+  def one(pattern):
+    def body(ls, finite):
+      ls = ls.adjust(finite)
+      return ls, (ls.loss_scale, ls.counter)
+
+    return jax.lax.scan(body, init, pattern)[1]
+
+  scales, counters = jax.tree.map(np.asarray, jax.jit(jax.vmap(one))(jnp.array(patterns)))
+  assert scales.dtype == np.dtype(dtype)
+  # With a power-of-two factor every operation is exact. Otherwise XLA may
+  # divide by multiplying with the rounded reciprocal (1 ulp per backoff).
+  exact = math.log2(factor).is_integer()
+  rtol = 0 if exact else PATTERN_LEN * float(jnp.finfo(dtype).eps)
+  for i, pattern in enumerate(patterns):
+    model = jmp_model(pattern, 2.0**log_scale, period, factor, floor, dtype)
+    np.testing.assert_allclose(scales[i], np.array([s for s, _ in model], dtype), rtol=rtol, atol=0)
+    np.testing.assert_array_equal(counters[i], np.array([c for _, c in model]))
+    assert np.isfinite(scales[i]).all()  # growth never overflows to inf
+
+
+# ------------------------------------------------------------------ casting
+
+FLOAT_DTYPES = [np.float16, jnp.bfloat16, np.float32, np.float64]
+CAST_DTYPES = [np.float16, jnp.bfloat16, np.float32, jnp.float8_e4m3fn]
+
+
+@st.composite
+def floating_leaves(draw):
+  dtype = np.dtype(draw(st.sampled_from(FLOAT_DTYPES)))
+  shape = draw(st.sampled_from([(), (3,), (2, 2)]))
+  values = np.asarray(
+      draw(st.lists(st.floats(-1e3, 1e3, width=16), min_size=int(np.prod(shape)),
+                    max_size=int(np.prod(shape)))), np.float32
+  ).reshape(shape)
+  kind = draw(st.sampled_from(["jax", "numpy", "numpy-scalar"]))
+  if kind == "jax" and dtype != np.float64:
+    return jnp.asarray(values, dtype)
+  if kind == "numpy-scalar":
+    return dtype.type(values.reshape(-1)[0] if values.size else 1.5)
+  return values.astype(dtype)
+
+
+def other_leaves():
+  return st.sampled_from([
+      lambda: jnp.arange(3, dtype=jnp.int32),
+      lambda: np.arange(4, dtype=np.int64),
+      lambda: jnp.array([True, False]),
+      lambda: np.uint8(7),
+      lambda: jax.random.key(0),
+      lambda: 3,
+      lambda: 2.5,  # Python floats are not arrays: passed through
+      lambda: "name",
+      lambda: object(),
+  ]).map(lambda make: make())
+
+
+def trees():
+  leaves = floating_leaves() | other_leaves() | st.none()
+  return st.recursive(
+      leaves,
+      lambda children: st.lists(children, max_size=3)
+      | st.tuples(children, children)
+      | st.dictionaries(st.sampled_from("abcde"), children, max_size=3),
+      max_leaves=8,
+  )
+
+
+def policy_casts():
+  dtypes = st.sampled_from(CAST_DTYPES)
+
+  def make(p, c, o, which):
+    policy = jmp.Policy(p, c, o)
+    dtype = {"param": p, "compute": c, "output": o}[which]
+    return getattr(policy, f"cast_to_{which}"), np.dtype(dtype)
+
+  return st.one_of(
+      st.just((jmp.cast_to_full, np.dtype(np.float32))),
+      st.just((jmp.cast_to_half, np.dtype(jmp.half_dtype()))),
+      st.builds(make, dtypes, dtypes, dtypes, st.sampled_from(["param", "compute", "output"])),
+  )
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(tree=trees(), cast=policy_casts(), jit=st.booleans())
+def test_casting_keeps_structure_and_non_floating_leaves(tree, cast, jit):
+  cast_fn, dtype = cast
+  out = cast_fn(tree)
+  assert jax.tree.structure(out) == jax.tree.structure(tree)
+  for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
+    is_float = isinstance(before, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        before.dtype, jnp.floating
+    )
+    if is_float:
+      assert after.dtype == dtype
+      assert np.shape(after) == np.shape(before)
+    else:
+      assert after is before
+  if jit:  # Under jit, with the array leaves as arguments.
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray))
+              and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != np.float64]
+    jitted = jax.jit(cast_fn)(arrays)
+    assert [a.dtype for a in jitted] == [dtype] * len(arrays)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("as_numpy", [False, True], ids=["jnp", "np"])
+def test_round_trip_within_dtype_precision(dtype, as_numpy, maybe_jit):
+  info = jnp.finfo(dtype)
+  max_value = float(info.max)
+
+  @SETTINGS
+  @hypothesis.given(st.lists(st.floats(-max_value, max_value, width=32), min_size=1, max_size=16))
+  def check(values):
+    x = np.asarray(values, np.float32)
+    x = x if as_numpy else jnp.asarray(x)
+    policy = jmp.Policy(jnp.float32, dtype, jnp.float32)
+    half = maybe_jit(policy.cast_to_compute)({"x": x})
+    assert half["x"].dtype == dtype
+    back = maybe_jit(jmp.cast_to_full)(half)["x"]
+    assert back.dtype == jnp.float32
+    back, x = np.asarray(back, np.float64), np.asarray(x, np.float64)
+    assert np.isfinite(back).all()
+    # Round to nearest: relative error <= eps / 2 for normal numbers; below the
+    # normal range the error is at most half the smallest subnormal (or a
+    # flush to zero of float32 subnormals).
+    bound = np.maximum(np.abs(x) * float(info.eps) / 2,
+                       max(float(info.smallest_subnormal), float(np.finfo(np.float32).tiny)))
+    assert (np.abs(back - x) <= bound).all(), (x, back)
+
+  check()
+
+
+# ------------------------------------------------------------------ policies
+
+POLICY_DTYPES = [
+    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.float8_e4m3fn, jnp.float8_e5m2,
+]
+ALIASES = {
+    np.dtype(jnp.float16): ["f16", "float16", "F16"],
+    np.dtype(jnp.bfloat16): ["bf16", "bfloat16", "BF16"],
+    np.dtype(jnp.float32): ["f32", "float32", "full"],
+    np.dtype(jnp.float64): ["f64", "float64"],
+    np.dtype(jnp.float8_e4m3fn): ["float8_e4m3fn"],
+    np.dtype(jnp.float8_e5m2): ["float8_e5m2"],
+}
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    p=st.sampled_from(POLICY_DTYPES), c=st.sampled_from(POLICY_DTYPES),
+    o=st.sampled_from(POLICY_DTYPES),
+)
+def test_get_policy_of_str_round_trips(p, c, o):
+  policy = jmp.Policy(p, c, o)
+  assert jmp.get_policy(str(policy)) == policy
+  assert hash(jmp.get_policy(str(policy))) == hash(policy)
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(data=st.data())
+def test_get_policy_accepts_every_spelling(data):
+  keys = {"param_dtype": ["p", "params"], "compute_dtype": ["c", "compute"],
+          "output_dtype": ["o", "output"]}
+  given = data.draw(st.dictionaries(st.sampled_from(list(keys)), st.sampled_from(POLICY_DTYPES)))
+  order = data.draw(st.permutations(list(given)))
+  parts = []
+  for field in order:
+    key = data.draw(st.sampled_from(keys[field]))
+    name = data.draw(st.sampled_from(ALIASES[np.dtype(given[field])]))
+    pad = data.draw(st.sampled_from(["", " "]))
+    parts.append(f"{pad}{key}{pad}={pad}{name}{pad}")
+  text = ",".join(parts)
+  hypothesis.assume(text)
+  p = given.get("param_dtype", jnp.float32)
+  c = given.get("compute_dtype", p)
+  o = given.get("output_dtype", c)
+  assert jmp.get_policy(text) == jmp.Policy(p, c, o)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(text=st.text(alphabet="pcof=,;123648b_ex ", max_size=14) | st.text(max_size=8))
+def test_get_policy_fuzz_returns_a_policy_or_raises_value_error(text):
+  try:
+    policy = jmp.get_policy(text)
+  except ValueError as e:
+    assert repr(text) in str(e)  # the message quotes the string it rejects
+  else:
+    assert isinstance(policy, jmp.Policy)
+    assert jmp.get_policy(str(policy)) == policy
