@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite._src import loss_scale
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import transform
 from jmp_lite._src import tree_utils
@@ -183,6 +182,33 @@ class _TrainStep:
     return getattr(self._jitted, name)
 
 
+def _update_and_apply(tx, grads, opt_state, params, scale):
+  """``tx.update`` + ``optax.apply_updates``, skipping non-finite gradients.
+
+  Returns ``(params, opt_state, sumsq)``, where ``sumsq`` is the sum of squares
+  of the unscaled gradients: finite iff the step was applied, and the square of
+  the ``grad_norm`` metric. One reduction over the gradients serves both.
+  """
+  if isinstance(tx, transform._LossScaling):
+    # Loss scaling is the outermost transformation (the recommended setup):
+    # update and apply run fused under its lax.cond.
+    return tx.apply_step(grads, opt_state, params)
+  sumsq = transform.unscaled_sumsq(grads, 1.0 / scale)
+  if transform.find_loss_scale_state(opt_state) is not None:
+    # Loss scaling nested inside another transformation decides by itself.
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, sumsq
+
+  # A plain optax transformation: the same skip, without a scale to adjust.
+  def apply(operand):
+    params, opt_state = operand
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.lax.cond(jnp.isfinite(sumsq), apply, lambda op: op, (params, opt_state))
+  return params, opt_state, sumsq
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     policy: policy_lib.Policy,
@@ -209,15 +235,17 @@ def make_train_step(
   and of the batch (labels) are passed through as they are; param ones are not
   differentiated and come back unchanged.
 
-  Skipped steps: when a gradient is inf or NaN, the loss-scaling transformation
-  returns ``-0.0`` updates, so params and the inner optimizer state (Adam's
-  count, schedules) are unchanged bit for bit while the scale backs off.
-  ``state.step`` still increments: it counts calls, skipped ones included (the
-  skipped ones are in :func:`skipped_steps_of`). If ``tx`` carries no
-  loss-scaling state (plain optax), the step still refuses non-finite
-  gradients: it keeps the old params and optimizer state by a select. Wrap
-  ``tx`` in :func:`static_loss_scaling` (scale 1) to skip cheaply under
-  ``lax.cond`` instead.
+  Skipped steps: when a gradient is inf or NaN (or the global norm of the
+  unscaled gradients overflows float32), the optimizer update and its
+  application are skipped under one ``lax.cond``, so params and the inner
+  optimizer state (Adam's count, schedules) are unchanged bit for bit while the
+  scale backs off. One sum of squares of the unscaled gradients gives both the
+  skip decision and ``grad_norm``. ``state.step`` still increments: it counts
+  calls, skipped ones included (the skipped ones are in
+  :func:`skipped_steps_of`). A plain optax ``tx`` (no loss scaling) is guarded
+  the same way, without a scale to adjust or a skip counter. With the loss
+  scaling nested inside another transformation (not recommended), the step
+  applies the updates it returns (``-0.0`` on a skipped step).
 
   The step compiles once per distinct input shapes and shardings, skipped steps
   included. It remembers the tree structure of the params and the batch of its
@@ -285,28 +313,17 @@ def make_train_step(
       return loss * scale, (loss, aux)
 
     grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(float_params)
-    updates, opt_state = state.tx.update(grads, state.opt_state, float_params)
-    new_float = optax.apply_updates(float_params, updates)
-    scale_state = transform.find_loss_scale_state(opt_state)
-    if scale_state is None:
-      grads_finite = loss_scale.all_finite(grads)
-      new_float, opt_state = loss_scale.select_tree(
-          grads_finite, (new_float, opt_state), (float_params, state.opt_state)
-      )
-    else:
-      grads_finite = scale_state.consecutive_skips == 0
+    new_float, opt_state, sumsq = _update_and_apply(state.tx, grads, state.opt_state, float_params, scale)
     new_state = state.replace(
         step=state.step + 1,
         params=tree_utils.merge_floating(new_float, state.params),
         opt_state=opt_state,
     )
-    inv_scale = 1.0 / scale
-    unscaled = tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, grads)
     metrics = {
         "loss": loss,
-        "grads_finite": grads_finite,
+        "grads_finite": jnp.isfinite(sumsq),
         "loss_scale": scale,
-        "grad_norm": optax.tree.norm(unscaled).astype(jnp.float32),
+        "grad_norm": jnp.sqrt(sumsq),
     }
     if has_aux:
       metrics["aux"] = aux

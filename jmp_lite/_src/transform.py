@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite._src import loss_scale
 from jmp_lite._src import tree_utils
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -75,6 +74,30 @@ def _skip_updates(shapes: Any) -> Any:
   return jax.tree.map(zeros, shapes)
 
 
+def unscaled_sumsq(grads: Any, inv_scale: jax.Array) -> jax.Array:
+  """Sum of squares of the unscaled floating gradients, in float32.
+
+  One pass over the gradients gives both the skip decision (the sum is finite
+  iff every gradient is finite and the global norm does not overflow float32)
+  and the ``grad_norm`` metric (its square root).
+  """
+  total = jnp.zeros((), jnp.float32)
+  for g in jax.tree.leaves(grads):
+    if tree_utils.is_floating_array(g):
+      total = total + jnp.sum(jnp.square(g.astype(jnp.float32) * inv_scale))
+  return total
+
+
+class _LossScaling(optax.GradientTransformationExtraArgs):
+  """The transformation returned by the factories below.
+
+  Besides ``init`` and ``update`` it carries ``apply_step``, which
+  :func:`jmp_lite.make_train_step` calls when the loss scaling is the outermost
+  transformation: the inner update *and* ``optax.apply_updates`` run under one
+  ``lax.cond``, so the updates are never written out on their own.
+  """
+
+
 def _loss_scaling(
     inner: Any,
     init_scale: float,
@@ -101,35 +124,19 @@ def _loss_scaling(
         inner_state=inner.init(params),
     )
 
-  def update(grads, state, params=None, **extra_args):
+  def inner_update(grads, inner_state, params, inv_scale, extra_args):
+    # The unscale happens here, inside the applied branch, and again inside
+    # the sum of squares: XLA fuses each into its consumer, so the unscaled
+    # gradients are never materialised.
+    grads = tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, grads)
+    return inner.update(grads, inner_state, params, **extra_args)
+
+  def next_state(state, finite, inner_state):
     scale = state.loss_scale
-    inv_scale = 1.0 / scale
-
-    def unscale(tree):
-      return tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, tree)
-
-    # The unscale is written twice on purpose: XLA fuses the first into the
-    # finiteness reduction and the second into the inner update, so the unscaled
-    # gradients are never materialised and a skipped step never runs the inner
-    # update (lax.cond, not a select over both branches).
-    finite = loss_scale.all_finite(unscale(grads))
-
-    def apply(operand):
-      grads, inner_state, params = operand
-      return inner.update(unscale(grads), inner_state, params, **extra_args)
-
-    def skip(operand):
-      _, inner_state, _ = operand
-      return _skip_updates(update_shapes), inner_state
-
-    operand = (grads, state.inner_state, params)
-    update_shapes, _ = jax.eval_shape(apply, operand)
-    updates, inner_state = jax.lax.cond(finite, apply, skip, operand)
-
     zero = jnp.zeros((), jnp.int32)
     # The new scale always obeys *this* transformation's configuration, even
     # for a state restored from a checkpoint written under another one. The
-    # scale used above stays the state's, because the loss was multiplied by it.
+    # scale used for this step stays the state's: the loss was multiplied by it.
     if dynamic:
       count = jnp.where(finite, _saturating_increment(state.growth_count), zero)
       grow = count >= growth_interval
@@ -141,7 +148,7 @@ def _loss_scaling(
       count = jnp.where(grow, zero, count)
     else:
       new_scale, count = jnp.full((), init_scale, jnp.float32), state.growth_count
-    new_state = LossScaleState(
+    return LossScaleState(
         loss_scale=new_scale.astype(jnp.float32),
         growth_count=count.astype(jnp.int32),
         skipped_steps=jnp.where(
@@ -152,9 +159,47 @@ def _loss_scaling(
         ),
         inner_state=inner_state,
     )
-    return updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  def update(grads, state, params=None, **extra_args):
+    inv_scale = 1.0 / state.loss_scale
+    finite = jnp.isfinite(unscaled_sumsq(grads, inv_scale))
+
+    def apply(operand):
+      grads, inner_state, params = operand
+      return inner_update(grads, inner_state, params, inv_scale, extra_args)
+
+    def skip(operand):
+      _, inner_state, _ = operand
+      return _skip_updates(update_shapes), inner_state
+
+    operand = (grads, state.inner_state, params)
+    update_shapes, _ = jax.eval_shape(apply, operand)
+    updates, inner_state = jax.lax.cond(finite, apply, skip, operand)
+    return updates, next_state(state, finite, inner_state)
+
+  def apply_step(grads, state, params, **extra_args):
+    """``update`` then ``optax.apply_updates``, fused: (params, state, sumsq)."""
+    inv_scale = 1.0 / state.loss_scale
+    sumsq = unscaled_sumsq(grads, inv_scale)
+    finite = jnp.isfinite(sumsq)
+
+    def apply(operand):
+      grads, inner_state, params = operand
+      updates, inner_state = inner_update(grads, inner_state, params, inv_scale, extra_args)
+      return optax.apply_updates(params, updates), inner_state
+
+    def skip(operand):
+      _, inner_state, params = operand
+      return params, inner_state
+
+    new_params, inner_state = jax.lax.cond(
+        finite, apply, skip, (grads, state.inner_state, params)
+    )
+    return new_params, next_state(state, finite, inner_state), sumsq
+
+  tx = _LossScaling(init, update)
+  tx.apply_step = apply_step
+  return tx
 
 
 def _real(name: str, value: Any) -> float:
@@ -227,7 +272,7 @@ def dynamic_loss_scaling(
   ``update`` receives the gradients of the **scaled** loss (the loss multiplied
   by ``loss_scale_of(state)``). It unscales them in float32 and then::
 
-    if all unscaled gradients are finite:
+    if sum(unscaled ** 2) is finite:        # every gradient finite, norm < ~1.8e19
       updates, inner_state = inner.update(unscaled, inner_state, params, **extra)
       growth_count += 1
       if growth_count == growth_interval:
@@ -241,6 +286,9 @@ def dynamic_loss_scaling(
 
   With the floor and cap out of reach this is ``torch.amp.GradScaler``'s rule.
   The inner update runs under ``lax.cond``, so a skipped step does not pay for it.
+  One fused sum of squares decides the skip: it is non-finite when any gradient
+  is inf or NaN, and also when the global norm of the unscaled gradients
+  overflows float32 (about 1.8e19), an update no optimizer could use either.
 
   Args:
     inner: any optax transformation, including ``optax.chain``,
