@@ -1,0 +1,1 @@
+"""Benchmarks for jmp_lite: run ``python -m benchmarks.run --help``."""

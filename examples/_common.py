@@ -1,0 +1,57 @@
+"""Small helpers shared by the examples: progress bars, timing and tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import tqdm
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def progress(iterable: Iterable[Any], *, desc: str, total: int, enabled: bool = True):
+  """A tqdm progress bar over ``iterable`` (a plain iterator when disabled)."""
+  return tqdm.tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False, ncols=90)
+
+
+def timed_step(step: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+  """Calls ``step(*args)``, waits for the result and returns (result, seconds)."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(step(*args))
+  return out, time.perf_counter() - start
+
+
+def median_ms(seconds: Sequence[float], warmup: int) -> float:
+  """Median of ``seconds[warmup:]`` in milliseconds (compilation stays out)."""
+  kept = list(seconds[warmup:]) or list(seconds[-1:])
+  return 1e3 * statistics.median(kept)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """A GitHub Markdown table whose columns line up in a terminal too."""
+  cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+  line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+  rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+  return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def machine() -> str:
+  """A one-line description of where the numbers were measured."""
+  dev = jax.devices()[0]
+  return f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {platform.machine()}"
+
+
+def write_results(out: Path, name: str, table: str, payload: dict[str, Any]) -> list[Path]:
+  """Writes ``name.md`` (the table) and ``name.json`` (``payload``) under ``out``."""
+  out.mkdir(parents=True, exist_ok=True)
+  md, js = out / f"{name}.md", out / f"{name}.json"
+  md.write_text(f"{table}\n\nMeasured on {machine()}.\n")
+  js.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+  return [md, js]

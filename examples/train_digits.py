@@ -1,0 +1,292 @@
+"""Train a small Flax CNN on scikit-learn's digits in fp32, bf16 and f16.
+
+    python examples/train_digits.py            # about 30 s on a 2-core CPU
+    python examples/train_digits.py --smoke    # a few steps, for CI
+
+The three runs share the data order and the initial weights; only the precision
+changes:
+
+* ``fp32``: policy ``f32`` and plain ``optax.adam``;
+* ``bf16``: policy ``mixed_bfloat16`` and plain ``optax.adam`` (bf16 has
+  float32's exponent range, so it needs no loss scaling; the step still refuses
+  a non-finite update);
+* ``f16``:  policy ``mixed_float16`` and ``jmp.dynamic_loss_scaling(adam)``
+  starting at 2**15, the usual default.
+
+Every run keeps float32 master weights in a ``jmp.TrainState``; the half copy
+exists only inside the jitted ``jmp.make_train_step``. The script prints test
+accuracy, median step time, skipped steps and the final loss scale side by side
+and writes ``digits.png`` (loss curves and the f16 loss-scale trajectory),
+``digits.md`` and ``digits.json`` to ``--out`` (default ``examples/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import jmp_lite as jmp
+
+import _common
+
+MODES = ("fp32", "bf16", "f16")
+POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16"}
+
+
+class CNN(nn.Module):
+  """Two 3x3 convolutions (16 and 32 filters), 2x2 average pooling, two dense layers.
+
+  Every layer has ``dtype=None``, so it computes in the dtype of the params and
+  inputs it is given: the policy's compute dtype.
+  """
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = nn.relu(nn.Conv(32, (3, 3))(x))
+    x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    x = x.reshape(x.shape[0], -1)
+    x = nn.relu(nn.Dense(64)(x))
+    return nn.Dense(10)(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  x_train: np.ndarray  # (n, 8, 8, 1) float32 in [0, 1]
+  y_train: np.ndarray  # (n,) int32
+  x_test: np.ndarray
+  y_test: np.ndarray
+
+
+def load_data(seed: int = 0) -> Data:
+  """``load_digits`` scaled to [0, 1], split 75/25 (stratified, fixed seed)."""
+  digits = load_digits()
+  x = (digits.images / 16.0).astype(np.float32)[..., None]
+  y = digits.target.astype(np.int32)
+  x_tr, x_te, y_tr, y_te = train_test_split(
+      x, y, test_size=0.25, random_state=seed, stratify=y
+  )
+  return Data(x_tr, y_tr, x_te, y_te)
+
+
+def init_params(seed: int = 0):
+  """The CNN's initial float32 weights (``init`` under ``jit``: one compilation)."""
+  return jax.jit(CNN().init)(jax.random.key(seed), jnp.zeros((1, 8, 8, 1), jnp.float32))
+
+
+@dataclasses.dataclass
+class Result:
+  mode: str
+  policy: str
+  accuracy: float  # test accuracy in percent
+  step_ms: float  # median step time after warm-up
+  skipped: int  # steps whose gradients were non-finite (not applied)
+  final_scale: float
+  losses: np.ndarray  # per step, unscaled float32
+  scales: np.ndarray  # per step, the scale used for that step
+  finite: np.ndarray  # per step, bool
+
+
+def make_tx(mode: str, *, lr: float, init_scale: float, growth_interval: int):
+  """Adam for every mode; wrapped in dynamic loss scaling for f16 only."""
+  tx = optax.adam(lr)
+  if mode == "f16":
+    tx = jmp.dynamic_loss_scaling(tx, init_scale=init_scale, growth_interval=growth_interval)
+  return tx
+
+
+def run(
+    mode: str,
+    *,
+    epochs: int = 30,
+    batch: int = 32,
+    seed: int = 0,
+    lr: float = 2e-3,
+    init_scale: float = 2.0**15,
+    growth_interval: int = 200,
+    max_steps: int | None = None,
+    data: Data | None = None,
+    params=None,
+    progress: bool = True,
+) -> Result:
+  """Trains the CNN in one precision ``mode`` and returns its :class:`Result`.
+
+  ``data`` defaults to :func:`load_data` and ``params`` (the initial weights) to
+  :func:`init_params`, both from ``seed``; pass them to share them across modes.
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if epochs < 1 or batch < 1:
+    raise ValueError(f"epochs and batch must be >= 1, got epochs={epochs!r}, batch={batch!r}")
+  data = data if data is not None else load_data(seed)
+  policy = jmp.get_policy(POLICIES[mode])
+  model = CNN()
+
+  def loss_fn(params, batch):
+    logits = policy.cast_to_output(model.apply(params, batch["x"]))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  @jax.jit
+  def accuracy(params, x, y):
+    logits = model.apply(policy.cast_to_compute(params), policy.cast_to_compute(x))
+    return jnp.mean(jnp.argmax(logits, -1) == y)
+
+  # The same initial weights and batch order for every mode. The state gets a
+  # private copy of the weights: the train step donates (deletes) its buffers.
+  params = jax.tree.map(jnp.copy, params if params is not None else init_params(seed))
+  tx = make_tx(mode, lr=lr, init_scale=init_scale, growth_interval=growth_interval)
+  state = jmp.TrainState.create(params=params, tx=tx)
+  step = jmp.make_train_step(loss_fn, policy)
+
+  n = len(data.y_train)
+  per_epoch = n // batch  # drop the remainder: one shape, one compilation
+  if per_epoch < 1:
+    raise ValueError(f"batch must be <= the {n} training examples, got {batch!r}")
+  rng = np.random.default_rng(seed)
+  order = [rng.permutation(n)[: per_epoch * batch].reshape(per_epoch, batch) for _ in range(epochs)]
+  order = np.concatenate(order)[:max_steps]
+
+  times, metrics = [], []
+  for idx in _common.progress(order, desc=f"{mode:>4}", total=len(order), enabled=progress):
+    b = {"x": data.x_train[idx], "y": data.y_train[idx]}
+    (state, m), seconds = _common.timed_step(step, state, b)
+    times.append(seconds)
+    metrics.append({k: m[k] for k in ("loss", "loss_scale", "grads_finite")})
+  metrics = jax.device_get(metrics)
+  finite = np.array([m["grads_finite"] for m in metrics], bool)
+  acc = accuracy(state.params, data.x_test, data.y_test)
+  return Result(
+      mode=mode,
+      policy=str(policy),
+      accuracy=100.0 * float(acc),
+      step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
+      skipped=int((~finite).sum()),
+      final_scale=float(jmp.loss_scale_of(state.opt_state)),
+      losses=np.array([m["loss"] for m in metrics], np.float32),
+      scales=np.array([m["loss_scale"] for m in metrics], np.float32),
+      finite=finite,
+  )
+
+
+def table(results: Sequence[Result]) -> str:
+  base = next((r for r in results if r.mode == "fp32"), results[0])
+  rows = [
+      [
+          r.mode,
+          r.policy,
+          f"{r.accuracy:.2f}",
+          f"{r.step_ms:.2f}",
+          f"{r.step_ms / base.step_ms:.2f}x",
+          r.skipped,
+          f"{r.final_scale:.10g}",
+          f"{r.losses[-1]:.4f}",
+      ]
+      for r in results
+  ]
+  headers = ["mode", "policy", "test acc %", "step ms (median)", "vs fp32",
+             "skipped steps", "final scale", "last loss"]
+  return _common.markdown_table(headers, rows)
+
+
+def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  window = max(1, min(per_epoch, len(results[0].losses)))
+  kernel = np.ones(window) / window
+  for r in results:
+    smooth = np.convolve(r.losses, kernel, mode="valid")
+    ax1.plot(np.arange(len(smooth)) + window, smooth, label=f"{r.mode} ({r.accuracy:.1f}%)")
+  ax1.set(yscale="log", xlabel="step", ylabel=f"train loss (mean of {window} steps)",
+          title="Loss curves on load_digits")
+  ax1.legend()
+  f16 = next((r for r in results if r.mode == "f16"), None)
+  if f16 is not None:
+    steps = np.arange(len(f16.scales))
+    ax2.step(steps, f16.scales, where="post", label="loss scale used")
+    bad = ~f16.finite
+    ax2.plot(steps[bad], f16.scales[bad], "rx", label=f"skipped step ({bad.sum()})")
+    ax2.set(yscale="log", xlabel="step", ylabel="loss scale",
+            title="f16 dynamic loss scale")
+    ax2.set_yscale("log", base=2)
+    ax2.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--epochs", type=int, default=30)
+  p.add_argument("--batch", type=int, default=32)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--lr", type=float, default=2e-3)
+  p.add_argument("--init-scale", type=float, default=2.0**15, help="f16 initial loss scale")
+  p.add_argument("--growth-interval", type=int, default=200, help="f16 finite steps per growth")
+  p.add_argument("--smoke", action="store_true", help="a few steps per mode (CI)")
+  p.add_argument("--out", type=Path, default=None,
+                 help="results folder (default examples/results; a smoke run writes only with --out)")
+  p.add_argument("--no-progress", action="store_true")
+  args = p.parse_args(argv)
+  if args.epochs < 1 or args.batch < 1:
+    p.error(f"--epochs and --batch must be >= 1, got {args.epochs} and {args.batch}")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[Result]:
+  args = parse_args(argv)
+  data = load_data(args.seed)
+  params = init_params(args.seed)
+  max_steps = 8 if args.smoke else None
+  epochs = 1 if args.smoke else args.epochs
+  results = [
+      run(mode, epochs=epochs, batch=args.batch, seed=args.seed, lr=args.lr,
+          init_scale=args.init_scale, growth_interval=args.growth_interval,
+          max_steps=max_steps, data=data, params=params, progress=not args.no_progress)
+      for mode in MODES
+  ]
+  steps = len(results[0].losses)
+  text = table(results)
+  print(f"\nload_digits: {len(data.y_train)} train / {len(data.y_test)} test images, "
+        f"{steps} steps of batch {args.batch} per mode, {_common.machine()}\n")
+  print(text)
+  base = results[0].accuracy
+  gap = max(abs(r.accuracy - base) for r in results[1:])
+  print(f"\nlargest accuracy gap to fp32: {gap:.2f} points "
+        f"({'within' if gap <= 1.0 else 'NOT within'} 1 point)")
+
+  out = args.out if args.out is not None else (None if args.smoke else _common.RESULTS_DIR)
+  if out is None:
+    print("smoke run: no files written (pass --out DIR to write them)")
+    return results
+  png = out / "digits.png"
+  out.mkdir(parents=True, exist_ok=True)
+  plot(results, png, per_epoch=len(data.y_train) // args.batch)
+  payload = {
+      "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+      "steps_per_mode": steps,
+      "results": [
+          {k: v for k, v in dataclasses.asdict(r).items() if not isinstance(v, np.ndarray)}
+          for r in results
+      ],
+  }
+  written = _common.write_results(out, "digits", text, payload)
+  print("wrote " + ", ".join(str(p) for p in [png, *written]))
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,98 @@
+"""The examples run end to end (``--smoke``, as CI does) and digits reaches fp32 accuracy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MODE_ROWS = ("| fp32 ", "| bf16 ", "| f16 ")
+
+
+def _run_smoke(script: str, out: Path) -> subprocess.CompletedProcess:
+  env = {**os.environ, "MPLBACKEND": "Agg"}
+  return subprocess.run(
+      [sys.executable, str(Path("examples") / script), "--smoke", "--out", str(out)],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+
+
+@pytest.mark.parametrize(
+    "script, name, header",
+    [
+        ("train_digits.py", "digits", "| mode | policy             | test acc % |"),
+        ("char_lm.py", "char_lm", "| mode | policy             | valid ppl/byte |"),
+    ],
+    ids=["train_digits", "char_lm"],
+)
+def test_example_smoke_prints_table_and_writes_results(tmp_path, script, name, header):
+  proc = _run_smoke(script, tmp_path)
+  assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+  assert header in proc.stdout, proc.stdout
+  for row in MODE_ROWS:
+    assert row in proc.stdout, proc.stdout
+  assert "Traceback" not in proc.stderr
+  payload = json.loads((tmp_path / f"{name}.json").read_text())
+  assert [r["mode"] for r in payload["results"]] == ["fp32", "bf16", "f16"]
+  assert payload["config"]["smoke"] is True
+  f16 = payload["results"][2]
+  assert f16["final_scale"] >= 2.0**14  # the dynamic scale is live, not the no-op 1.0
+  assert payload["results"][0]["final_scale"] == 1.0
+  assert header in (tmp_path / f"{name}.md").read_text()
+  if name == "digits":
+    png = (tmp_path / "digits.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+@pytest.fixture
+def train_digits(monkeypatch):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  for mod in ("train_digits", "_common"):
+    monkeypatch.delitem(sys.modules, mod, raising=False)
+  import train_digits
+
+  return train_digits
+
+
+def test_digits_mixed_precision_matches_fp32_accuracy(train_digits):
+  data = train_digits.load_data(seed=0)
+  params = train_digits.init_params(seed=0)
+  results = {
+      mode: train_digits.run(
+          mode, epochs=10, lr=3e-3, seed=0, data=data, params=params, progress=False
+      )
+      for mode in train_digits.MODES
+  }
+  fp32 = results["fp32"].accuracy
+  assert fp32 >= 95.0, results["fp32"]
+  for mode in ("bf16", "f16"):
+    assert abs(results[mode].accuracy - fp32) <= 1.0, (mode, results[mode].accuracy, fp32)
+  f16 = results["f16"]
+  assert f16.policy == "p=f32,c=f16,o=f32"
+  assert f16.scales[0] == 2.0**15 and f16.final_scale > 2.0**15  # it grew at least once
+  assert f16.skipped == int((~f16.finite).sum()) < 10
+  assert results["fp32"].skipped == results["bf16"].skipped == 0
+  assert results["fp32"].losses[-20:].mean() < 0.1 * results["fp32"].losses[:5].mean()
+
+
+def test_digits_run_rejects_unknown_mode(train_digits):
+  with pytest.raises(ValueError, match="'fp8'"):
+    train_digits.run("fp8", epochs=1)
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--batch", "-1"]])
+def test_digits_cli_rejects_bad_sizes(train_digits, argv, capsys):
+  with pytest.raises(SystemExit) as exc:
+    train_digits.parse_args(argv)
+  assert exc.value.code == 2
+  assert argv[0] in capsys.readouterr().err
