@@ -186,27 +186,19 @@ def _update_and_apply(tx, grads, opt_state, params, scale):
   """``tx.update`` + ``optax.apply_updates``, skipping non-finite gradients.
 
   Returns ``(params, opt_state, sumsq)``, where ``sumsq`` is the sum of squares
-  of the unscaled gradients: finite iff the step was applied, and the square of
-  the ``grad_norm`` metric. One reduction over the gradients serves both.
+  of the unscaled gradients: finite iff the step is applied, and the square of
+  the ``grad_norm`` metric. The loss-scaling transformation computes the same
+  expression for its own decision, and XLA computes it once.
   """
-  if isinstance(tx, transform._LossScaling):
-    # Loss scaling is the outermost transformation (the recommended setup):
-    # update and apply run fused under its lax.cond.
-    return tx.apply_step(grads, opt_state, params)
   sumsq = transform.unscaled_sumsq(grads, 1.0 / scale)
   if transform.find_loss_scale_state(opt_state) is not None:
-    # Loss scaling nested inside another transformation decides by itself.
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, sumsq
-
-  # A plain optax transformation: the same skip, without a scale to adjust.
-  def apply(operand):
-    params, opt_state = operand
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  params, opt_state = jax.lax.cond(jnp.isfinite(sumsq), apply, lambda op: op, (params, opt_state))
-  return params, opt_state, sumsq
+  else:
+    # A plain optax transformation: the same skip, without a scale to adjust.
+    updates, opt_state = transform.cond_update(
+        jnp.isfinite(sumsq), tx.update, grads, opt_state, params
+    )
+  return optax.apply_updates(params, updates), opt_state, sumsq
 
 
 def make_train_step(
@@ -236,16 +228,14 @@ def make_train_step(
   differentiated and come back unchanged.
 
   Skipped steps: when a gradient is inf or NaN (or the global norm of the
-  unscaled gradients overflows float32), the optimizer update and its
-  application are skipped under one ``lax.cond``, so params and the inner
-  optimizer state (Adam's count, schedules) are unchanged bit for bit while the
-  scale backs off. One sum of squares of the unscaled gradients gives both the
-  skip decision and ``grad_norm``. ``state.step`` still increments: it counts
+  unscaled gradients overflows float32), the optimizer update is skipped under
+  ``lax.cond`` and its updates are ``-0.0``, so params and the inner optimizer
+  state (Adam's count, schedules) are unchanged bit for bit while the scale
+  backs off. One sum of squares of the unscaled gradients gives both the skip
+  decision and ``grad_norm``. ``state.step`` still increments: it counts
   calls, skipped ones included (the skipped ones are in
   :func:`skipped_steps_of`). A plain optax ``tx`` (no loss scaling) is guarded
-  the same way, without a scale to adjust or a skip counter. With the loss
-  scaling nested inside another transformation (not recommended), the step
-  applies the updates it returns (``-0.0`` on a skipped step).
+  the same way, without a scale to adjust or a skip counter.
 
   The step compiles once per distinct input shapes and shardings, skipped steps
   included. It remembers the tree structure of the params and the batch of its

@@ -88,14 +88,22 @@ def unscaled_sumsq(grads: Any, inv_scale: jax.Array) -> jax.Array:
   return total
 
 
-class _LossScaling(optax.GradientTransformationExtraArgs):
-  """The transformation returned by the factories below.
+def cond_update(finite: jax.Array, update_fn: Any, grads: Any, state: Any, params: Any):
+  """``update_fn(grads, state, params)`` under ``lax.cond`` on ``finite``.
 
-  Besides ``init`` and ``update`` it carries ``apply_step``, which
-  :func:`jmp_lite.make_train_step` calls when the loss scaling is the outermost
-  transformation: the inner update *and* ``optax.apply_updates`` run under one
-  ``lax.cond``, so the updates are never written out on their own.
+  When ``finite`` is False the update does not run: the updates are ``-0.0``
+  (``params + updates == params`` bit for bit) and ``state`` is returned as is.
   """
+
+  def apply(operand):
+    return update_fn(*operand)
+
+  def skip(operand):
+    return _skip_updates(update_shapes), operand[1]
+
+  operand = (grads, state, params)
+  update_shapes, _ = jax.eval_shape(apply, operand)
+  return jax.lax.cond(finite, apply, skip, operand)
 
 
 def _loss_scaling(
@@ -163,43 +171,16 @@ def _loss_scaling(
   def update(grads, state, params=None, **extra_args):
     inv_scale = 1.0 / state.loss_scale
     finite = jnp.isfinite(unscaled_sumsq(grads, inv_scale))
-
-    def apply(operand):
-      grads, inner_state, params = operand
-      return inner_update(grads, inner_state, params, inv_scale, extra_args)
-
-    def skip(operand):
-      _, inner_state, _ = operand
-      return _skip_updates(update_shapes), inner_state
-
-    operand = (grads, state.inner_state, params)
-    update_shapes, _ = jax.eval_shape(apply, operand)
-    updates, inner_state = jax.lax.cond(finite, apply, skip, operand)
+    updates, inner_state = cond_update(
+        finite,
+        lambda g, s, p: inner_update(g, s, p, inv_scale, extra_args),
+        grads,
+        state.inner_state,
+        params,
+    )
     return updates, next_state(state, finite, inner_state)
 
-  def apply_step(grads, state, params, **extra_args):
-    """``update`` then ``optax.apply_updates``, fused: (params, state, sumsq)."""
-    inv_scale = 1.0 / state.loss_scale
-    sumsq = unscaled_sumsq(grads, inv_scale)
-    finite = jnp.isfinite(sumsq)
-
-    def apply(operand):
-      grads, inner_state, params = operand
-      updates, inner_state = inner_update(grads, inner_state, params, inv_scale, extra_args)
-      return optax.apply_updates(params, updates), inner_state
-
-    def skip(operand):
-      _, inner_state, params = operand
-      return params, inner_state
-
-    new_params, inner_state = jax.lax.cond(
-        finite, apply, skip, (grads, state.inner_state, params)
-    )
-    return new_params, next_state(state, finite, inner_state), sumsq
-
-  tx = _LossScaling(init, update)
-  tx.apply_step = apply_step
-  return tx
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _real(name: str, value: Any) -> float:
