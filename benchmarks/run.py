@@ -702,7 +702,7 @@ def _parser() -> argparse.ArgumentParser:
       "--hidden", type=_positive_int, help="width: MLP width, d_model, LSTM hidden, CNN channels"
   )
   p.add_argument(
-      "--steps", type=_positive_int, default=21, help="timed repeats per variant (default 21)"
+      "--steps", type=_positive_int, default=41, help="timed repeats per variant (default 41)"
   )
   p.add_argument("--warmup", type=_positive_int, default=3, help="warm-up steps (default 3)")
   p.add_argument(
