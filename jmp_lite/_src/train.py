@@ -303,7 +303,9 @@ def make_train_step(
       return loss * scale, (loss, aux)
 
     grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(float_params)
-    new_float, opt_state, sumsq = _update_and_apply(state.tx, grads, state.opt_state, float_params, scale)
+    new_float, opt_state, sumsq = _update_and_apply(
+        state.tx, grads, state.opt_state, float_params, scale
+    )
     new_state = state.replace(
         step=state.step + 1,
         params=tree_utils.merge_floating(new_float, state.params),
