@@ -657,7 +657,7 @@ def precision_lint(
   if not isinstance(policy, policy_lib.Policy):
     raise TypeError(f"policy must be a jmp_lite.Policy or a policy string, got {policy!r}")
   cast = [policy.cast_to_compute(args[0])] if args else []
-  cast += [policy_lib._cast_floating(a, policy.compute_dtype) for a in args[1:]]
+  cast += [tree_utils.cast_floating(a, policy.compute_dtype) for a in args[1:]]
   closed = jax.make_jaxpr(fn)(*cast)
   jaxpr, roots, findings = closed.jaxpr, _library_roots(), []
   _lint_jaxpr(jaxpr, roots, findings, None)

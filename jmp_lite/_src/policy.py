@@ -84,13 +84,6 @@ def _normalize_dtype(dtype: DTypeLike, what: str) -> np.dtype:
   return d
 
 
-def _cast_floating(tree: T, dtype: np.dtype) -> T:
-  def cast(x):
-    return x if x.dtype == dtype else x.astype(dtype)
-
-  return tree_utils.map_floating(cast, tree)
-
-
 def _compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
   if isinstance(rule, str):
     try:
@@ -159,7 +152,7 @@ class Policy:
 
   def _cast(self, tree: T, dtype: np.dtype) -> T:
     if not self.keep_full:
-      return _cast_floating(tree, dtype)
+      return tree_utils.cast_floating(tree, dtype)
     rules = [_compile_rule(r) for r in self.keep_full]
     full = np.dtype(jnp.float32)
 
@@ -295,7 +288,7 @@ def cast_to_full(tree: T) -> T:
     >>> cast_to_full({"w": jnp.ones(2, jnp.bfloat16), "n": 3})["w"].dtype
     dtype('float32')
   """
-  return _cast_floating(tree, np.dtype(jnp.float32))
+  return tree_utils.cast_floating(tree, np.dtype(jnp.float32))
 
 
 def cast_to_half(tree: T) -> T:
@@ -306,4 +299,4 @@ def cast_to_half(tree: T) -> T:
     >>> cast_to_half(jnp.ones(2)).dtype == half_dtype()
     True
   """
-  return _cast_floating(tree, half_dtype())
+  return tree_utils.cast_floating(tree, half_dtype())

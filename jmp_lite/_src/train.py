@@ -293,7 +293,7 @@ def make_train_step(
   def step(state: TrainState, batch: Any):
     _check_master_params(state.params)
     scale = transform.loss_scale_of(state.opt_state)
-    batch = policy_lib._cast_floating(batch, compute_dtype)
+    batch = tree_utils.cast_floating(batch, compute_dtype)
     float_params = tree_utils.floating_part(state.params)
 
     def scaled_loss(float_params):

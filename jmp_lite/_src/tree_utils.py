@@ -53,3 +53,12 @@ def merge_floating(float_tree: Any, full_tree: T) -> T:
 def map_floating(fn: Callable[[jax.Array], jax.Array], tree: T) -> T:
   """Applies ``fn`` to floating leaves only; every other leaf is returned as is."""
   return jax.tree.map(lambda x: fn(x) if is_floating_array(x) else x, tree)
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+  """Casts floating leaves to ``dtype``; a leaf already in ``dtype`` is returned as is."""
+
+  def cast(x):
+    return x if x.dtype == dtype else x.astype(dtype)
+
+  return map_floating(cast, tree)
