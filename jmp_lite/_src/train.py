@@ -321,9 +321,8 @@ def make_train_step(
       metrics["aux"] = aux
     if track_nonfinite:
       metrics["nonfinite"] = jax.tree.map(
-          lambda g, p: ~jnp.isfinite(g).all() if g is not None else jnp.zeros((), bool),
+          lambda g: jnp.zeros((), bool) if g is None else ~jnp.isfinite(g).all(),
           grads,
-          state.params,
           is_leaf=lambda x: x is None,
       )
     return new_state, metrics
