@@ -4,12 +4,12 @@ A drop-in replacement for DeepMind's ``jmp`` (``import jmp_lite as jmp``) plus a
 optax loss-scaling transformation and a jit-compiled train step.
 """
 
-from jmp_lite._src.diagnostics import GradientReport
-from jmp_lite._src.diagnostics import LeafStats
-from jmp_lite._src.diagnostics import LintFinding
-from jmp_lite._src.diagnostics import gradient_report
-from jmp_lite._src.diagnostics import nonfinite_paths
-from jmp_lite._src.diagnostics import precision_lint
+from jmp_lite._src.grad_report import GradientReport
+from jmp_lite._src.grad_report import LeafStats
+from jmp_lite._src.grad_report import gradient_report
+from jmp_lite._src.grad_report import nonfinite_paths
+from jmp_lite._src.lint import LintFinding
+from jmp_lite._src.lint import precision_lint
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scale import NoOpLossScale

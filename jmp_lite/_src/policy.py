@@ -71,7 +71,7 @@ def half_dtype() -> jnp.dtype:
   return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
 
 
-def _normalize_dtype(dtype: DTypeLike, what: str) -> np.dtype:
+def normalize_dtype(dtype: DTypeLike, what: str) -> np.dtype:
   try:
     d = jnp.dtype(dtype)
   except TypeError as e:
@@ -141,7 +141,7 @@ class Policy:
 
   def __post_init__(self):
     for name in ("param_dtype", "compute_dtype", "output_dtype"):
-      object.__setattr__(self, name, _normalize_dtype(getattr(self, name), name))
+      object.__setattr__(self, name, normalize_dtype(getattr(self, name), name))
     rules = self.keep_full
     if isinstance(rules, str) or callable(rules):
       rules = (rules,)

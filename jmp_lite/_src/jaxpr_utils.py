@@ -1,0 +1,121 @@
+"""Reading jaxprs: sub-jaxprs, data flow and source lines.
+
+Shared by :mod:`jmp_lite._src.lint` (which reads a jaxpr) and
+:mod:`jmp_lite._src.autocast` (which re-evaluates one). Higher-order
+primitives (``jit``, ``closed_call``, ``scan``, ``while``, ``cond``,
+``remat``, ``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``, ...) keep
+their bodies in their params as ``Jaxpr`` or ``ClosedJaxpr`` values;
+:func:`subjaxprs` finds them without a per-primitive table, so a new
+higher-order primitive is walked too.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from typing import Any, Callable, Iterator, Mapping, Union
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+try:  # Frames of a trace. JAX has no public API for them yet; degrade to no source.
+  from jax._src import source_info_util as _source_info_util
+except ImportError:  # pragma: no cover - depends on the JAX release.
+  _source_info_util = None
+
+# Packages whose frames are not "user code" when naming a source line.
+LIBRARIES = ("jax", "flax", "optax", "chex", "equinox", "haiku", "jmp", "jmp_lite")
+
+
+def subjaxprs(eqn: Any) -> Iterator[Any]:
+  """The (open) jaxprs held in ``eqn``'s params, in params order; not recursive."""
+  return jex_core.jaxprs_in_params(eqn.params)
+
+
+def walk(jaxpr: Any) -> Iterator[Any]:
+  """Every equation of ``jaxpr`` and of its sub-jaxprs, depth first, in program order.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> def f(x):
+    ...   return jax.lax.cond(x.sum() > 0, jnp.exp, jnp.log, x)
+    >>> jaxpr = jax.make_jaxpr(f)(jnp.ones(2)).jaxpr
+    >>> [e.primitive.name for e in walk(jaxpr) if e.primitive.name in ("exp", "log")]
+    ['log', 'exp']
+  """
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in subjaxprs(eqn):
+      yield from walk(sub)
+
+
+def dtype_of(v: Any) -> Union[np.dtype, None]:
+  """The numpy dtype of a jaxpr variable; ``None`` for tokens and PRNG keys."""
+  dtype = getattr(getattr(v, "aval", None), "dtype", None)
+  if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return None
+  return np.dtype(dtype)
+
+
+def consumers(jaxpr: Any) -> Mapping[Any, list]:
+  """Maps each variable of ``jaxpr`` to the equations that read it."""
+  out = collections.defaultdict(list)
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if isinstance(v, jex_core.Var):
+        out[v].append(eqn)
+  return out
+
+
+def reaches(
+    var: Any,
+    readers: Mapping[Any, list],
+    through: frozenset[str],
+    hit: Callable[[Any], bool],
+    max_hops: int = 4,
+) -> list:
+  """Equations satisfying ``hit`` reachable from ``var`` through ``through`` primitives."""
+  found, frontier, seen = [], [var], set()
+  for _ in range(max_hops):
+    nxt = []
+    for v in frontier:
+      for eqn in readers.get(v, ()):
+        if id(eqn) in seen:
+          continue
+        seen.add(id(eqn))
+        if hit(eqn):
+          found.append(eqn)
+        elif eqn.primitive.name in through:
+          nxt.extend(eqn.outvars)
+    frontier = nxt
+  return found
+
+
+def library_roots() -> tuple[str, ...]:
+  """Directories of the imported :data:`LIBRARIES`, each ending in a separator."""
+  roots = []
+  for name in LIBRARIES:
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None):
+      roots.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+  return tuple(roots)
+
+
+def source_of(eqn: Any, roots: tuple[str, ...]) -> Union[str, None]:
+  """``"file:line (function)"`` of the first frame outside ``roots``, or ``None``."""
+  if _source_info_util is None or eqn is None:
+    return None
+  frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
+  user = [f for f in frames if not os.path.abspath(f.file_name).startswith(roots)]
+  frame = (user or frames or [None])[0]
+  if frame is None:
+    return None
+  name = frame.file_name
+  try:
+    rel = os.path.relpath(name)
+    name = rel if not rel.startswith("..") else name
+  except ValueError:  # Another drive on Windows.
+    pass
+  return f"{name}:{frame.start_line} ({frame.function_name})"

@@ -1,0 +1,208 @@
+"""Precision lint: the operations of a function that are risky in half precision."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Union
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jmp_lite._src import jaxpr_utils
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import tree_utils
+
+_F16 = np.dtype(jnp.float16)
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+_F16_ELEMENTWISE = {
+    "exp": "exp overflows float16 for inputs above 11.1",
+    "exp2": "exp2 overflows float16 for inputs of 16 and above",
+    "expm1": "expm1 overflows float16 for inputs above 11.1",
+    "log": "log of a float16 value: inputs below 6e-8 flush to 0 and give -inf",
+    "log1p": "log1p of a float16 value: 11-bit precision near 0",
+}
+# Ops a value passes through unchanged in kind, when following data flow.
+_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
+                        "convert_element_type"})
+_SCALE_OPS = _SHAPE_OPS | {"div", "mul"}
+
+
+class LintFinding(NamedTuple):
+  """One risky operation found by :func:`precision_lint`.
+
+  Attributes:
+    op: the primitive (``"dot_general"``, ``"exp"``, ...), ``"softmax/logsumexp"``
+      for an exp followed by a sum, or ``"loss"`` for the output.
+    reason: what is risky and what to do.
+    source: ``"file:line (function)"`` of the user code that emitted it, or
+      ``None`` if unknown.
+  """
+
+  op: str
+  reason: str
+  source: Union[str, None]
+
+  def __str__(self) -> str:
+    return f"{self.source or '<unknown source>'}: {self.op}: {self.reason}"
+
+
+def _to_f16(eqn: Any) -> bool:
+  return (eqn.primitive.name == "convert_element_type"
+          and np.dtype(eqn.params["new_dtype"]) == _F16)
+
+
+def _alignment(eqn: Any) -> Union[str, None]:
+  """Names the GEMM dims of a half dot/conv that are not multiples of 8."""
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  if eqn.primitive.name == "dot_general":
+    (lhs_c, rhs_c), (_, rhs_b) = eqn.params["dimension_numbers"]
+    dims = {
+        "contracting size": math.prod(lhs[i] for i in lhs_c),
+        "output features": math.prod(
+            rhs[i] for i in range(len(rhs)) if i not in rhs_c and i not in rhs_b),
+    }
+  else:
+    spec = eqn.params["dimension_numbers"]
+    dims = {"input channels": lhs[spec.lhs_spec[1]], "output channels": rhs[spec.rhs_spec[0]]}
+  bad = [f"{name} {size}" for name, size in dims.items() if size > 1 and size % 8]
+  if not bad:
+    return None
+  return (f"{' and '.join(bad)} not a multiple of 8 in "
+          f"{jaxpr_utils.dtype_of(eqn.invars[0]).name}: "
+          "tensor cores need multiples of 8 (pad the layer)")
+
+
+def _lint_jaxpr(
+    jaxpr: Any, roots: tuple[str, ...], findings: list[LintFinding], outer: Union[str, None]
+) -> None:
+  """Appends the findings of ``jaxpr``; ``outer`` is the source of the eqn holding it."""
+  source = lambda eqn: jaxpr_utils.source_of(eqn, roots) or outer  # Sub-jaxprs may lack tracebacks.
+  readers = jaxpr_utils.consumers(jaxpr)
+  explained = set()  # Sums and logs already reported as part of a softmax.
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    in_dtype = jaxpr_utils.dtype_of(eqn.invars[0]) if eqn.invars else None
+    if name == "exp" and in_dtype == _F16:
+      sums = jaxpr_utils.reaches(eqn.outvars[0], readers, _SHAPE_OPS,
+                                 lambda e: e.primitive.name in _REDUCTIONS)
+      if sums:
+        explained.update(id(e) for e in sums)
+        for e in sums:  # logsumexp's log of the sum.
+          explained.update(id(log) for log in jaxpr_utils.reaches(
+              e.outvars[0], readers, _SHAPE_OPS | {"abs"}, lambda e: e.primitive.name == "log"))
+        findings.append(LintFinding(
+            "softmax/logsumexp",
+            "exp and its sum computed in float16: exp overflows above 11.1 and the result "
+            "has 11 bits; cast the logits to float32 first",
+            source(eqn)))
+        continue
+    if id(eqn) in explained:
+      pass
+    elif name in _F16_ELEMENTWISE and in_dtype == _F16:
+      findings.append(LintFinding(name, _F16_ELEMENTWISE[name], source(eqn)))
+    elif name in _REDUCTIONS:
+      if in_dtype == _F16:
+        reason = f"{name} accumulates in float16 (max 65504, 11-bit precision)"
+      elif jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16):
+        reason = (f"{name} of float16 data returns float16 (max 65504): "
+                  "reduce a float32 copy and keep the result in float32")
+      else:
+        reason = None
+      if reason:
+        findings.append(LintFinding(name, reason, source(eqn)))
+    elif name in ("dot_general", "conv_general_dilated") and in_dtype in _HALF:
+      reason = _alignment(eqn)
+      if reason:
+        findings.append(LintFinding(name, reason, source(eqn)))
+    for sub in jaxpr_utils.subjaxprs(eqn):
+      _lint_jaxpr(sub, roots, findings, source(eqn))
+
+
+def precision_lint(
+    fn: Callable[..., Any], *args: Any, policy: Union[policy_lib.Policy, str]
+) -> list[LintFinding]:
+  """Lists the operations of ``fn(*args)`` that are risky under ``policy``.
+
+  The policy is applied as ``make_train_step`` applies it: ``args[0]`` (the
+  params) is cast with ``policy.cast_to_compute``, keep rules included, and the
+  floating leaves of every other argument (the batch) are cast to
+  ``policy.compute_dtype``. The jaxpr of ``fn`` on those arguments
+  (``jax.make_jaxpr``) is then read, sub-jaxprs (``jit``, ``custom_jvp``,
+  ``scan``, ``cond``, ...) included. The rules:
+
+  ======================================  =========================  ===========
+  finding                                 when                       dtypes
+  ======================================  =========================  ===========
+  ``softmax/logsumexp``                   exp whose output is summed  f16
+  ``exp`` ``exp2`` ``expm1`` ``log``      operand dtype               f16
+  ``log1p``
+  ``reduce_sum`` ``reduce_prod``          operand is f16, or the      f16
+  ``cumsum`` ``cumprod`` ``cumlogsumexp``  result is cast back to f16
+  ``dot_general``                         contracting size or output  f16, bf16
+                                          features not a multiple
+                                          of 8
+  ``conv_general_dilated``                input or output channels    f16, bf16
+                                          not a multiple of 8
+  ``loss``                                the first output is an f16  f16
+                                          scalar
+  ======================================  =========================  ===========
+
+  bfloat16 has float32's exponent range, so only the tensor-core alignment
+  rule applies to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in
+  float32 but return f16, which is what the "cast back" rule catches; a
+  reduction that stays in float32 (Flax's normalisation statistics) is not
+  flagged. Max/min reductions are exact and never flagged. Dimensions of size
+  1 (matrix-vector products) are not flagged, nor is the row count of a
+  matmul (the batch size). Each finding's source is the first stack frame
+  outside jax, flax, optax, chex, equinox, haiku and jmp_lite (``None`` if
+  this JAX release does not expose tracebacks).
+
+  Args:
+    fn: the function, typically ``loss_fn(params, batch)``.
+    *args: example arguments: arrays, ``jax.ShapeDtypeStruct``s (same
+      findings), PRNG keys and any other leaves ``fn`` accepts.
+    policy: a :class:`Policy` or a policy string for :func:`get_policy`.
+
+  Returns:
+    The findings, in program order.
+
+  Raises:
+    TypeError: if ``policy`` is neither a Policy nor a string.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> def loss_fn(params, x):
+    ...   logits = x @ params["w"]
+    ...   return -jnp.mean(jax.nn.log_softmax(logits)[:, 0])
+    >>> params, x = {"w": jnp.ones((16, 100))}, jnp.ones((4, 16))
+    >>> for finding in precision_lint(loss_fn, params, x, policy="mixed_float16"):
+    ...   print(finding.op)
+    dot_general
+    softmax/logsumexp
+    reduce_sum
+    loss
+    >>> [f.op for f in precision_lint(loss_fn, params, x, policy="mixed_bfloat16")]
+    ['dot_general']
+  """
+  if isinstance(policy, str):
+    policy = policy_lib.get_policy(policy)
+  if not isinstance(policy, policy_lib.Policy):
+    raise TypeError(f"policy must be a jmp_lite.Policy or a policy string, got {policy!r}")
+
+  def cast_args(*args):
+    # Cast inside the trace, where arrays and ShapeDtypeStructs are both tracers.
+    cast = [policy.cast_to_compute(args[0])] if args else []
+    return fn(*cast, *(tree_utils.cast_floating(a, policy.compute_dtype) for a in args[1:]))
+
+  jaxpr = jax.make_jaxpr(cast_args)(*args).jaxpr
+  roots, findings = jaxpr_utils.library_roots(), []
+  _lint_jaxpr(jaxpr, roots, findings, None)
+  out = jaxpr.outvars[0] if jaxpr.outvars else None
+  if out is not None and jaxpr_utils.dtype_of(out) == _F16 and out.aval.shape == ():
+    producer = next((e for e in jaxpr.eqns if out in e.outvars), None)
+    findings.append(LintFinding(
+        "loss", "the loss is float16: cast it to float32 before reducing or scaling it",
+        jaxpr_utils.source_of(producer, roots)))
+  return findings
