@@ -123,9 +123,9 @@ def test_bad_static_scale(scale, exc, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(period=0), r"period must be an integer >= 1, got 0"),
-    (dict(factor=1), r"factor must be > 1, got 1"),
-    (dict(factor=0.5), r"factor must be > 1, got 0\.5"),
+    (dict(period=0), r"period must be an int >= 1, got 0"),
+    (dict(factor=1), r"factor must be finite and > 1, got 1"),
+    (dict(factor=0.5), r"factor must be finite and > 1, got 0\.5"),
 ])
 def test_bad_jmp_dynamic_loss_scale(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -38,13 +38,21 @@ def test_noop_and_static_have_no_leaves():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_static_matches_jmp(dtype, maybe_jit):
   tree = {"g": jnp.array([0.5, -3.0], dtype), "n": jnp.int32(3)}
-  ours, theirs = jmp_lite.StaticLossScale(128.0), jmp.StaticLossScale(jnp.float32(128.0))
-  scaled = maybe_jit(ours.scale)(tree)
-  expected = theirs.scale(tree["g"])
-  assert scaled["g"].dtype == expected.dtype
-  np.testing.assert_array_equal(scaled["g"], expected)
-  assert scaled["n"] is tree["n"] or int(scaled["n"]) == 3
-  np.testing.assert_array_equal(maybe_jit(ours.unscale)(scaled)["g"], theirs.unscale(expected))
+  # A Python-number scale keeps each leaf's dtype (jmp's weak typing); an
+  # array scale promotes like jmp's x * loss_scale.
+  for ours, theirs in [
+      (jmp_lite.StaticLossScale(128.0), jmp.StaticLossScale(128.0)),
+      (jmp_lite.StaticLossScale(jnp.float32(128.0)), jmp.StaticLossScale(jnp.float32(128.0))),
+  ]:
+    scaled = maybe_jit(ours.scale)(tree)
+    expected = theirs.scale(tree["g"])
+    assert scaled["g"].dtype == expected.dtype
+    np.testing.assert_array_equal(scaled["g"], expected)
+    assert scaled["n"] is tree["n"] or int(scaled["n"]) == 3
+    unscaled = maybe_jit(ours.unscale)(scaled)["g"]
+    assert unscaled.dtype == theirs.unscale(expected).dtype
+    np.testing.assert_array_equal(unscaled, theirs.unscale(expected))
+  ours = jmp_lite.StaticLossScale(128.0)
   assert float(ours.loss_scale) == 128.0 and ours.adjust(jnp.array(False)) is ours
 
 
@@ -151,9 +159,9 @@ def test_adjust_matches_python_model(finites, period, factor, log_init, log_floo
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(period=0), "period must be an integer >= 1"),
-    (dict(factor=1), "factor must be > 1"),
-    (dict(factor=0.5), "factor must be > 1"),
+    (dict(period=0), "period must be an int >= 1"),
+    (dict(factor=1), "factor must be finite and > 1"),
+    (dict(factor=0.5), "factor must be finite and > 1"),
 ])
 def test_dynamic_rejects_bad_config(kwargs, match):
   with pytest.raises(ValueError, match=match):

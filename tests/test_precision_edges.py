@@ -123,7 +123,9 @@ def test_create_upcasts_low_precision_params_to_f32_masters(dtype):
   for name in ("w1", "b1", "w2"):
     assert state.params[name].dtype == jnp.float32
     np.testing.assert_array_equal(state.params[name], params[name].astype(jnp.float32))
-  assert state.params["count"] is params["count"]
+  # The state owns a copy of every array (issue 15, item 2).
+  assert state.params["count"] is not params["count"]
+  assert state.params["count"].dtype == jnp.int32 and int(state.params["count"]) == 4
   adam = state.opt_state.inner_state[0]
   assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype(jnp.float32)}
 

@@ -634,6 +634,11 @@ def test_loss_scale_of_finds_nested_state(make_tx, scale_after_skip, maybe_jit):
   assert int(maybe_jit(jmp.skipped_steps_of)(opt_state)) == 1
   assert transform.find_loss_scale_state(opt_state) is not None
 
+  if not isinstance(tx.init(params), jmp.LossScaleState):
+    # The train step only takes an outermost scaler (issue 11, item 1).
+    with pytest.raises(ValueError, match=r"not outermost: its state is at opt_state.*"):
+      jmp.TrainState.create(params=params, tx=tx)
+    return
   train_state = jmp.TrainState.create(params=params, tx=tx)
   assert float(jmp.loss_scale_of(train_state)) == 8.0
   assert float(jmp.loss_scale_of(train_state.opt_state)) == 8.0

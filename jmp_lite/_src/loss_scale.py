@@ -1,15 +1,18 @@
-"""jmp-compatible loss-scale objects, ``all_finite`` and ``select_tree``.
+"""jmp-compatible loss-scale objects, ``all_finite``, ``select_tree`` and the scale rule.
 
 These match the public API and numerics of DeepMind's ``jmp`` and fix its known
 bugs: ``min_loss_scale`` survives ``jit``, construction works under
 ``jax.eval_shape`` and ``lower().compile()``, a float16 scale can be adjusted,
-and growth never overflows to inf.
+growth never overflows to inf, and bad configuration is refused.
+
+:func:`adjust_scale` is the one grow-or-back-off rule of the library:
+``DynamicLossScale.adjust`` and the optax transformation both call it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import warnings
 from typing import Any, TypeVar, Union
 
 import jax
@@ -17,29 +20,65 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jmp_lite._src import checks
 from jmp_lite._src import tree_utils
 
 T = TypeVar("T")
 
 
-def _scale_leaves(tree: T, factor: jax.Array) -> T:
-  """Multiplies floating leaves by ``factor`` in their common promoted dtype.
+def adjust_scale(
+    scale: jax.Array,
+    finite: jax.Array,
+    grow: jax.Array,
+    *,
+    growth_factor: Any,
+    backed_off: jax.Array,
+    floor: jax.Array,
+) -> jax.Array:
+  """The next loss scale: the one grow-or-back-off rule of the library::
 
-  The promotion is explicit (as jmp's implicit ``x * loss_scale`` would be), so
-  it also works with ``jax_numpy_dtype_promotion='strict'``.
+    if finite:
+      if grow: scale = scale * growth_factor, unless that overflows to inf
+    else:
+      scale = max(floor, backed_off)
+
+  ``grow`` (when the growth period is complete) and ``backed_off`` (jmp
+  divides by its factor, GradScaler multiplies by its backoff factor) are the
+  caller's. Everything is computed in ``scale``'s dtype.
   """
+  grown = scale * jnp.asarray(growth_factor, scale.dtype)
+  grown = jnp.where(jnp.isfinite(grown), grown, scale)  # Like GradScaler and jmp.
+  backed_off = jnp.maximum(floor.astype(scale.dtype), backed_off.astype(scale.dtype))
+  return jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+
+
+def _multiply_leaves(tree: T, factor: Any) -> T:
+  """Multiplies the floating and complex leaves of ``tree`` by ``factor``.
+
+  A Python-number ``factor`` keeps each leaf's dtype (jmp's weak-typed
+  ``x * loss_scale``). An array ``factor`` promotes as jmp's ``x * loss_scale``
+  would under standard promotion (an f16 leaf times an f32 scale is f32), but
+  explicitly, so that it also runs under ``jax_numpy_dtype_promotion='strict'``;
+  float8 leaves, which have no implicit promotion, widen to float32 first.
+  """
+  if isinstance(factor, (int, float)):
+    return tree_utils.map_inexact(lambda x: x * jnp.asarray(factor, x.dtype), tree)
+  factor = jnp.asarray(factor)
 
   def mul(x):
-    dtype = jnp.promote_types(x.dtype, factor.dtype)
+    with jax.numpy_dtype_promotion("standard"):
+      dtype = jnp.promote_types(tree_utils.wide_dtype(x.dtype) if x.dtype.itemsize == 1
+                                else x.dtype, factor.dtype)
     return x.astype(dtype) * factor.astype(dtype)
 
-  return tree_utils.map_floating(mul, tree)
+  return tree_utils.map_inexact(mul, tree)
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """A scalar bool array: True iff every floating leaf of ``tree`` is finite.
+  """A scalar bool array: True iff every floating or complex leaf of ``tree`` is finite.
 
-  Non-floating leaves are ignored; an empty tree or ``None`` gives True.
+  Other leaves are ignored; an empty tree or ``None`` gives True. A complex
+  leaf is finite when both its parts are.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -47,17 +86,26 @@ def all_finite(tree: Any) -> jax.Array:
     True
     >>> bool(all_finite([jnp.array([1.0, jnp.inf])]))
     False
+    >>> bool(all_finite({"z": jnp.array([1 + 1j, complex(0, jnp.nan)])}))
+    False
     >>> bool(all_finite(None))
     True
   """
-  leaves = [x for x in jax.tree.leaves(tree) if tree_utils.is_floating_array(x)]
+  leaves = [x for x in jax.tree.leaves(tree) if tree_utils.is_inexact_array(x)]
   if not leaves:
     return jnp.array(True)
   return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
+def _shape_and_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+  return np.shape(x), jnp.result_type(x)
+
+
 def select_tree(pred: ArrayLike, a: T, b: T) -> T:
   """Selects ``a`` where ``pred`` is True and ``b`` otherwise, leaf by leaf.
+
+  Like ``jax.lax.select`` (and jmp), nothing is broadcast or promoted: the
+  two trees must match leaf for leaf in shape and dtype.
 
   Args:
     pred: a scalar bool (Python bool or shape-``()`` bool array).
@@ -68,8 +116,9 @@ def select_tree(pred: ArrayLike, a: T, b: T) -> T:
     ``a`` if ``pred`` else ``b``, computed without Python control flow.
 
   Raises:
-    TypeError: if ``pred`` is not a bool.
-    ValueError: if ``pred`` is not a scalar.
+    TypeError: if ``pred`` is not a bool, or two leaves differ in shape or
+      dtype (the message names the leaf).
+    ValueError: if ``pred`` is not a scalar, or the trees differ in structure.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -81,7 +130,18 @@ def select_tree(pred: ArrayLike, a: T, b: T) -> T:
     raise TypeError(f"select_tree: pred must be a bool, got dtype {pred.dtype}")
   if pred.shape != ():
     raise ValueError(f"select_tree: pred must be a scalar, got shape {pred.shape}")
-  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+  def select(path, x, y):
+    if _shape_and_dtype(x) != _shape_and_dtype(y):
+      (xs, xd), (ys, yd) = _shape_and_dtype(x), _shape_and_dtype(y)
+      raise TypeError(
+          f"select_tree: leaf {tree_utils.path_str(path)!r} differs between a and b: "
+          f"shape {xs} dtype {xd} vs shape {ys} dtype {yd}; the trees must match leaf "
+          "for leaf (nothing is broadcast or promoted)"
+      )
+    return jax.lax.select(pred, jnp.asarray(x), jnp.asarray(y))
+
+  return jax.tree_util.tree_map_with_path(select, a, b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,53 +172,73 @@ class NoOpLossScale:
     return self
 
 
-def _check_positive_finite(name: str, value: float) -> None:
-  if not (math.isfinite(value) and value > 0):
-    raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+def _is_python_or_numpy(value: Any) -> bool:
+  """Configuration written by a user (as opposed to arrays a pytree rebuild passes)."""
+  return isinstance(value, (bool, int, float, np.generic, np.ndarray))
 
 
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
   """A fixed loss scale. A pytree without leaves (the scale is static).
 
+  A Python number scales each leaf in its own dtype, as jmp's weakly typed
+  ``x * loss_scale`` does (an f16 tree stays f16). An array scale (a traced
+  value under ``jit`` included) promotes like ``x * loss_scale``.
+
   Args:
-    loss_scale: a finite, positive number (stored as a Python float).
+    loss_scale: a finite number > 0 (stored as a Python float), or a scalar
+      float array (not inspected: it may be traced).
+
+  Raises:
+    TypeError: if ``loss_scale`` is a bool or not a number.
+    ValueError: if a concrete ``loss_scale`` is not finite and > 0.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> ls = StaticLossScale(128.0)
     >>> ls.scale(jnp.float32(2.0))
     Array(256., dtype=float32)
+    >>> ls.scale(jnp.float16(2.0)).dtype
+    dtype('float16')
     >>> ls.adjust(False) is ls
     True
   """
 
-  loss_scale: float
+  loss_scale: Any
 
   def __post_init__(self):
-    value = float(self.loss_scale)
-    _check_positive_finite("loss_scale", value)
-    object.__setattr__(self, "loss_scale", value)
+    if _is_python_or_numpy(self.loss_scale):
+      value = checks.positive_finite("loss_scale", self.loss_scale)
+      object.__setattr__(self, "loss_scale", value)
 
   def scale(self, tree: T) -> T:
-    return _scale_leaves(tree, jnp.asarray(self.loss_scale, jnp.float32))
+    return _multiply_leaves(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _scale_leaves(tree, jnp.asarray(1.0 / self.loss_scale, jnp.float32))
+    return _multiply_leaves(tree, 1 / self.loss_scale)
 
   def adjust(self, grads_finite: ArrayLike) -> "StaticLossScale":
     del grads_finite
     return self
 
 
-def _as_strong_array(value: Any, dtype) -> Any:
-  """Python numbers become strongly typed arrays; anything else is kept.
+def _float_leaf(value: Any, name: str, default_dtype: Any) -> Any:
+  """A scale field: Python numbers become strong arrays; arrays are kept.
 
   Pytree unflattening may pass tracers, ``ShapeDtypeStruct``s or sentinel
-  objects, which must pass through ``__init__`` untouched.
+  objects, which pass through untouched. An integer scale works in float32
+  after jmp's warning.
   """
-  if isinstance(value, (bool, int, float)):
-    return jnp.asarray(value, dtype)
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a floating number, got {value!r}")
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+    warnings.warn(f"Expected floating type for {name}, got {dtype}; using float32", stacklevel=4)
+    return jnp.asarray(value, jnp.float32)
+  if isinstance(value, (int, float)):
+    return jnp.asarray(value, default_dtype)
+  if isinstance(value, (np.generic, np.ndarray)):
+    return jnp.asarray(value)
   return value
 
 
@@ -167,24 +247,32 @@ class DynamicLossScale:
   """A loss scale that grows after ``period`` finite steps and backs off on overflow.
 
   ``loss_scale``, ``counter`` and ``min_loss_scale`` are pytree leaves; ``period``
-  and ``factor`` are static. The update rule (``adjust``) is::
+  and ``factor`` are static. The update rule (``adjust``) is jmp's::
 
     if grads_finite:
       if counter == period - 1:
         loss_scale = loss_scale * factor   # kept if that would overflow to inf
-        counter = 0
-      else:
-        counter = counter + 1
+      counter = (counter + 1) % period
     else:
       loss_scale = max(min_loss_scale, loss_scale / factor)
       counter = 0
 
   Args:
-    loss_scale: initial scale, a positive scalar (Python numbers become float32).
-    counter: consecutive finite steps so far (int32).
-    period: finite steps between growths, >= 1.
-    factor: growth and backoff factor, > 1.
-    min_loss_scale: floor for the scale.
+    loss_scale: initial scale, a positive float scalar (Python numbers become
+      float32; an integer scale warns, as jmp does, and becomes float32).
+    counter: consecutive finite steps so far, an int >= 0 (int32).
+    period: finite steps between growths, an int >= 1.
+    factor: growth and backoff factor, a real number > 1.
+    min_loss_scale: floor for the scale, finite and >= 0 (in ``loss_scale``'s
+      dtype).
+
+  Python and NumPy values are validated when the object is built; jax arrays
+  are taken as given (they may be tracers, and pytree operations rebuild the
+  object from arbitrary leaves).
+
+  Raises:
+    TypeError: for a non-number, a bool, or a fractional ``period``.
+    ValueError: for an out-of-range value; the message names the argument.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -204,51 +292,59 @@ class DynamicLossScale:
   min_loss_scale: jax.Array = 1.0
 
   def __post_init__(self):
+    if _is_python_or_numpy(self.loss_scale):
+      checks.positive_finite("loss_scale", self.loss_scale)
+    if _is_python_or_numpy(self.min_loss_scale):
+      value = checks.real_number("min_loss_scale", self.min_loss_scale)
+      if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"min_loss_scale must be finite and >= 0, got {self.min_loss_scale!r}")
+    if _is_python_or_numpy(self.counter):
+      checks.integer("counter", self.counter, minimum=0)
+    period = self.period
+    if isinstance(period, (float, np.floating)) and float(period).is_integer():
+      period = int(period)  # jmp accepts period=5.0.
+    object.__setattr__(self, "period", checks.integer("period", period, minimum=1))
+    factor = checks.real_number("factor", self.factor)
+    if not (np.isfinite(factor) and factor > 1):
+      raise ValueError(f"factor must be finite and > 1, got {self.factor!r}")
     scale_dtype = getattr(self.loss_scale, "dtype", jnp.float32)
-    object.__setattr__(self, "loss_scale", _as_strong_array(self.loss_scale, jnp.float32))
-    object.__setattr__(self, "counter", _as_strong_array(self.counter, jnp.int32))
+    object.__setattr__(self, "loss_scale", _float_leaf(self.loss_scale, "loss_scale", jnp.float32))
+    object.__setattr__(self, "counter", _counter_leaf(self.counter))
     object.__setattr__(
-        self, "min_loss_scale", _as_strong_array(self.min_loss_scale, scale_dtype)
+        self, "min_loss_scale", _float_leaf(self.min_loss_scale, "min_loss_scale", scale_dtype)
     )
-    if isinstance(self.period, (int, np.integer)) and self.period < 1:
-      raise ValueError(f"period must be an integer >= 1, got {self.period!r}")
-    if isinstance(self.factor, (int, float)) and not self.factor > 1:
-      raise ValueError(f"factor must be > 1, got {self.factor!r}")
 
   def scale(self, tree: T) -> T:
-    return _scale_leaves(tree, jnp.asarray(self.loss_scale))
+    return _multiply_leaves(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    scale = jnp.asarray(self.loss_scale)
-    return _scale_leaves(tree, 1 / scale)
+    return _multiply_leaves(tree, 1 / jnp.asarray(self.loss_scale))
 
   def adjust(self, grads_finite: ArrayLike) -> "DynamicLossScale":
     """Returns the loss scale for the next step (see the class docstring)."""
     grads_finite = jnp.asarray(grads_finite)
     scale = jnp.asarray(self.loss_scale)
     counter = jnp.asarray(self.counter)
-    dtype = scale.dtype
-    factor = jnp.asarray(self.factor, dtype)
-    floor = jnp.asarray(self.min_loss_scale).astype(dtype)
-    grown = scale * factor
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
-    at_period = counter == self.period - 1
-    finite_scale = jnp.where(at_period, grown, scale)
-    backed_off = jnp.maximum(floor, scale / factor)
-    new_scale = jnp.where(grads_finite, finite_scale, backed_off)
-    zero = jnp.zeros_like(counter)
-    new_counter = jnp.where(grads_finite & ~at_period, counter + 1, zero)
+    new_scale = adjust_scale(
+        scale,
+        grads_finite,
+        counter == self.period - 1,
+        growth_factor=self.factor,
+        backed_off=scale / jnp.asarray(self.factor, scale.dtype),
+        floor=jnp.asarray(self.min_loss_scale),
+    )
+    new_counter = jnp.where(grads_finite, (counter + 1) % self.period, jnp.zeros_like(counter))
     return dataclasses.replace(self, loss_scale=new_scale, counter=new_counter)
 
 
-jax.tree_util.register_dataclass(
-    DynamicLossScale,
-    data_fields=["loss_scale", "counter", "min_loss_scale"],
-    meta_fields=["period", "factor"],
-)
-jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
-jax.tree_util.register_dataclass(
-    StaticLossScale, data_fields=[], meta_fields=["loss_scale"]
-)
+def _counter_leaf(value: Any) -> Any:
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    return jnp.asarray(value, jnp.int32)
+  return value
+
+
+jax.tree_util.register_dataclass(DynamicLossScale)
+jax.tree_util.register_dataclass(NoOpLossScale)
+jax.tree_util.register_dataclass(StaticLossScale, data_fields=[], meta_fields=["loss_scale"])
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -11,11 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite._src import tree_utils
+from jmp_lite._src import checks
+from jmp_lite._src import loss_scale as loss_scale_lib
+from jmp_lite._src import skip
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal: 1 / tiny is finite
+
+_OUTERMOST_MSG = (
+    "{what}. Put the loss scaling outermost, wrapping everything else: "
+    "tx = jmp.dynamic_loss_scaling(optax.chain(...)) (or "
+    "jmp.dynamic_loss_scaling(optax.MultiSteps(...))), with exactly one scaler. "
+    "A scaler nested inside another transformation sees partial or accumulated "
+    "updates and cannot make its skip exact."
+)
 
 
 class LossScaleState(NamedTuple):
@@ -40,6 +50,107 @@ class LossScaleState(NamedTuple):
   inner_state: optax.OptState
 
 
+@dataclasses.dataclass(frozen=True)
+class ScalingConfig:
+  """The validated configuration of a loss-scaling transformation.
+
+  Static scaling is the same rule with ``growth_factor = backoff_factor = 1``
+  and ``min_scale = max_scale = init_scale``.
+  """
+
+  init_scale: float
+  growth_factor: float
+  backoff_factor: float
+  growth_interval: int
+  min_scale: float
+  max_scale: float
+
+  @classmethod
+  def dynamic(cls, init_scale: Any, growth_factor: Any, backoff_factor: Any,
+              growth_interval: Any, min_scale: Any, max_scale: Any) -> "ScalingConfig":
+    """Validates the arguments of :func:`dynamic_loss_scaling`."""
+    init_scale = _scale("init_scale", init_scale)
+    growth_factor = checks.real_number("growth_factor", growth_factor)
+    if not (math.isfinite(growth_factor) and 1 < growth_factor <= _F32_MAX):
+      raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
+    backoff_factor = checks.real_number("backoff_factor", backoff_factor)
+    if not 0 < backoff_factor < 1:
+      raise ValueError(
+          f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}"
+      )
+    interval = checks.integer("growth_interval", growth_interval, minimum=1, maximum=_INT32_MAX)
+    min_scale = _scale("min_scale", min_scale)
+    max_scale = checks.real_number("max_scale", max_scale)
+    if math.isnan(max_scale):
+      raise ValueError(f"max_scale must be a number (inf means no cap), got {max_scale!r}")
+    if min_scale > max_scale:
+      raise ValueError(
+          f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}"
+      )
+    if not min_scale <= init_scale <= max_scale:
+      raise ValueError(
+          f"init_scale must be in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
+          f"got {init_scale!r}"
+      )
+    return cls(init_scale, growth_factor, backoff_factor, interval, min_scale, max_scale)
+
+  @classmethod
+  def static(cls, scale: Any) -> "ScalingConfig":
+    """Validates the argument of :func:`static_loss_scaling`."""
+    value = _scale("scale", scale)
+    return cls(value, 1.0, 1.0, 1, value, value)
+
+
+def _scale(name: str, value: Any) -> float:
+  """A scale must be a normal float32: finite, > 0, with a finite reciprocal."""
+  value = checks.real_number(name, value)
+  if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
+    raise ValueError(
+        f"{name} must be finite and > 0, within float32's normal range "
+        f"[{_F32_TINY!r}, {_F32_MAX!r}], got {value!r}"
+    )
+  return value
+
+
+def next_state(
+    config: ScalingConfig, state: LossScaleState, finite: jax.Array, inner_state: optax.OptState
+) -> LossScaleState:
+  """The state after a step that was applied (``finite``) or skipped.
+
+  The new scale always obeys ``config``, even for a state restored from a
+  checkpoint written under another configuration: it is clipped to
+  ``[min_scale, max_scale]``, so a static config always gives its own scale.
+  The scale used for this step stays the state's: the loss was multiplied by it.
+  """
+  scale = state.loss_scale
+  zero = jnp.zeros((), jnp.int32)
+  count = jnp.where(finite, optax.safe_increment(state.growth_count), zero)
+  grow = count >= config.growth_interval
+  new_scale = loss_scale_lib.adjust_scale(
+      scale,
+      finite,
+      grow,
+      growth_factor=np.float32(config.growth_factor),
+      backed_off=scale * np.float32(config.backoff_factor),
+      floor=jnp.float32(0),
+  )
+  # float32 bounds: a Python float above float32's range (max_scale=inf is
+  # allowed, meaning no cap) must not be cast at trace time.
+  cap = np.float32(config.max_scale) if config.max_scale <= _F32_MAX else np.float32(np.inf)
+  new_scale = jnp.clip(new_scale, np.float32(config.min_scale), cap)
+  return LossScaleState(
+      loss_scale=new_scale.astype(jnp.float32),
+      growth_count=jnp.where(grow, zero, count).astype(jnp.int32),
+      skipped_steps=jnp.where(
+          finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+      ),
+      consecutive_skips=jnp.where(
+          finite, zero, optax.safe_increment(state.consecutive_skips)
+      ),
+      inner_state=inner_state,
+  )
+
+
 def _as_extra_args(inner: Any) -> optax.GradientTransformationExtraArgs:
   init = getattr(inner, "init", None)
   update = getattr(inner, "update", None)
@@ -55,187 +166,59 @@ def _as_extra_args(inner: Any) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(init, update)  # e.g. optax.MultiSteps.
 
 
-def _saturating_increment(x: jax.Array) -> jax.Array:
-  return jnp.where(x == _INT32_MAX, x, x + 1)
+@dataclasses.dataclass(frozen=True)
+class ScalingUpdate:
+  """The ``update`` function of a loss-scaling transformation.
 
-
-def _negative_zeros(shape_dtype: jax.ShapeDtypeStruct) -> jax.Array:
-  # -0.0 is the additive identity bit for bit: p + (-0.0) == p for every p,
-  # including p == -0.0, which p + (+0.0) would turn into +0.0.
-  return jnp.full(shape_dtype.shape, -0.0, shape_dtype.dtype)
-
-
-def _skip_updates(shapes: Any) -> Any:
-  def zeros(s):
-    if jnp.issubdtype(s.dtype, jnp.floating):
-      return _negative_zeros(s)
-    return jnp.zeros(s.shape, s.dtype)
-
-  return jax.tree.map(zeros, shapes)
-
-
-def unscaled_sumsq(grads: Any, inv_scale: jax.Array) -> jax.Array:
-  """Sum of squares of the unscaled floating gradients, in float32.
-
-  One pass over the gradients gives both the skip decision (the sum is finite
-  iff every gradient is finite and the global norm does not overflow float32)
-  and the ``grad_norm`` metric (its square root).
-  """
-  total = jnp.zeros((), jnp.float32)
-  for g in jax.tree.leaves(grads):
-    if tree_utils.is_floating_array(g):
-      total = total + jnp.sum(jnp.square(g.astype(jnp.float32) * inv_scale))
-  return total
-
-
-def cond_update(finite: jax.Array, update_fn: Any, grads: Any, state: Any, params: Any):
-  """``update_fn(grads, state, params)`` under ``lax.cond`` on ``finite``.
-
-  When ``finite`` is False the update does not run: the updates are ``-0.0``
-  (``params + updates == params`` bit for bit) and ``state`` is returned as is.
+  A value (frozen, hashable) rather than a closure, so that
+  :func:`make_train_step` can recognise an outermost scaler and ask it for
+  the sum of squares it already computed.
   """
 
-  def apply(operand):
-    return update_fn(*operand)
+  config: ScalingConfig
+  inner: optax.GradientTransformationExtraArgs
 
-  def skip(operand):
-    return _skip_updates(update_shapes), operand[1]
-
-  operand = (grads, state, params)
-  update_shapes, _ = jax.eval_shape(apply, operand)
-  return jax.lax.cond(finite, apply, skip, operand)
-
-
-def _loss_scaling(
-    inner: Any,
-    init_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    min_scale: float,
-    max_scale: float,
-) -> optax.GradientTransformationExtraArgs:
-  """The shared core: static scaling is growth_factor=backoff_factor=1."""
-  inner = _as_extra_args(inner)
-  dynamic = growth_factor != 1.0
-  # float32 constants: a Python float above float32's range (max_scale=inf is
-  # allowed, meaning no cap) must not be cast at trace time.
-  max_scale32 = np.float32(max_scale) if max_scale <= _F32_MAX else np.float32(np.inf)
-  min_scale32 = np.float32(min_scale)
-
-  def init(params):
+  def init(self, params: optax.Params) -> LossScaleState:
     return LossScaleState(
-        loss_scale=jnp.asarray(init_scale, jnp.float32),
+        loss_scale=jnp.asarray(self.config.init_scale, jnp.float32),
         growth_count=jnp.zeros((), jnp.int32),
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
-        inner_state=inner.init(params),
+        inner_state=self.inner.init(params),
     )
 
-  def inner_update(grads, inner_state, params, inv_scale, extra_args):
-    # The unscale happens here, inside the applied branch, and again inside
-    # the sum of squares: XLA fuses each into its consumer, so the unscaled
-    # gradients are never materialised.
-    grads = tree_utils.map_floating(lambda g: g.astype(jnp.float32) * inv_scale, grads)
-    return inner.update(grads, inner_state, params, **extra_args)
-
-  def next_state(state, finite, inner_state):
-    scale = state.loss_scale
-    zero = jnp.zeros((), jnp.int32)
-    # The new scale always obeys *this* transformation's configuration, even
-    # for a state restored from a checkpoint written under another one. The
-    # scale used for this step stays the state's: the loss was multiplied by it.
-    if dynamic:
-      count = jnp.where(finite, _saturating_increment(state.growth_count), zero)
-      grow = count >= growth_interval
-      grown = scale * growth_factor
-      # Like GradScaler, a growth that overflows float32 keeps the old scale.
-      grown = jnp.where(jnp.isfinite(grown), grown, scale)
-      new_scale = jnp.where(finite, jnp.where(grow, grown, scale), scale * backoff_factor)
-      new_scale = jnp.clip(new_scale, min_scale32, max_scale32)
-      count = jnp.where(grow, zero, count)
-    else:
-      new_scale, count = jnp.full((), init_scale, jnp.float32), state.growth_count
-    return LossScaleState(
-        loss_scale=new_scale.astype(jnp.float32),
-        growth_count=count.astype(jnp.int32),
-        skipped_steps=jnp.where(
-            finite, state.skipped_steps, _saturating_increment(state.skipped_steps)
-        ),
-        consecutive_skips=jnp.where(
-            finite, zero, _saturating_increment(state.consecutive_skips)
-        ),
-        inner_state=inner_state,
-    )
-
-  def update(grads, state, params=None, **extra_args):
-    inv_scale = 1.0 / state.loss_scale
-    finite = jnp.isfinite(unscaled_sumsq(grads, inv_scale))
-    updates, inner_state = cond_update(
-        finite,
-        lambda g, s, p: inner_update(g, s, p, inv_scale, extra_args),
+  def guarded(
+      self,
+      grads: optax.Updates,
+      state: LossScaleState,
+      params: optax.Params | None = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleState, jax.Array]:
+    """``(updates, new_state, sumsq)``: the update plus the skip's sum of squares."""
+    guard = skip.guarded_update(
+        lambda g, s, p: self.inner.update(g, s, p, **extra_args),
         grads,
         state.inner_state,
         params,
+        inv_scale=1.0 / state.loss_scale,
+        value=extra_args.get("value"),
     )
-    return updates, next_state(state, finite, inner_state)
+    return guard.updates, next_state(self.config, state, guard.finite, guard.state), guard.sumsq
 
-  return optax.GradientTransformationExtraArgs(init, update)
-
-
-def _real(name: str, value: Any) -> float:
-  if isinstance(value, (bool, str, bytes)):
-    raise TypeError(f"{name} must be a real number, got {value!r}")
-  try:
-    return float(value)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{name} must be a real number, got {value!r}") from e
-
-
-def _check_scale(name: str, value: float) -> None:
-  """A scale must be a normal float32: finite, > 0, with a finite reciprocal."""
-  if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
-    raise ValueError(
-        f"{name} must be finite and > 0, within float32's normal range "
-        f"[{_F32_TINY!r}, {_F32_MAX!r}], got {value!r}"
-    )
+  def __call__(
+      self,
+      grads: optax.Updates,
+      state: LossScaleState,
+      params: optax.Params | None = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleState]:
+    updates, state, _ = self.guarded(grads, state, params, **extra_args)
+    return updates, state
 
 
-def _check_config(
-    init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale
-) -> tuple[float, float, float, int, float, float]:
-  """Validates the arguments of :func:`dynamic_loss_scaling`; returns them as numbers."""
-  init_scale = _real("init_scale", init_scale)
-  _check_scale("init_scale", init_scale)
-  growth_factor = _real("growth_factor", growth_factor)
-  if not (math.isfinite(growth_factor) and 1 < growth_factor <= _F32_MAX):
-    raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
-  backoff_factor = _real("backoff_factor", backoff_factor)
-  if not 0 < backoff_factor < 1:
-    raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}")
-  if isinstance(growth_interval, bool):
-    raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-  try:
-    interval = operator.index(growth_interval)
-  except TypeError as e:
-    raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r}") from e
-  if not 1 <= interval <= _INT32_MAX:
-    raise ValueError(f"growth_interval must be in [1, {_INT32_MAX}], got {growth_interval!r}")
-  min_scale = _real("min_scale", min_scale)
-  _check_scale("min_scale", min_scale)
-  max_scale = _real("max_scale", max_scale)
-  if math.isnan(max_scale):
-    raise ValueError(f"max_scale must be a number (inf means no cap), got {max_scale!r}")
-  if min_scale > max_scale:
-    raise ValueError(
-        f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}"
-    )
-  if not min_scale <= init_scale <= max_scale:
-    raise ValueError(
-        f"init_scale must be in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
-        f"got {init_scale!r}"
-    )
-  return init_scale, growth_factor, backoff_factor, interval, min_scale, max_scale
+def _loss_scaling(inner: Any, config: ScalingConfig) -> optax.GradientTransformationExtraArgs:
+  update = ScalingUpdate(config, _as_extra_args(inner))
+  return optax.GradientTransformationExtraArgs(update.init, update)
 
 
 def dynamic_loss_scaling(
@@ -251,9 +234,10 @@ def dynamic_loss_scaling(
   """Wraps ``inner`` with dynamic loss scaling and skip-on-non-finite.
 
   ``update`` receives the gradients of the **scaled** loss (the loss multiplied
-  by ``loss_scale_of(state)``). It unscales them in float32 and then::
+  by ``loss_scale_of(state)``). It unscales them in float32 (float64 for
+  float64 gradients) and then::
 
-    if sum(unscaled ** 2) is finite:        # every gradient finite, norm < ~1.8e19
+    if sum(unscaled ** 2) is finite and value is finite:
       updates, inner_state = inner.update(unscaled, inner_state, params, **extra)
       growth_count += 1
       if growth_count == growth_interval:
@@ -270,6 +254,13 @@ def dynamic_loss_scaling(
   One fused sum of squares decides the skip: it is non-finite when any gradient
   is inf or NaN, and also when the global norm of the unscaled gradients
   overflows float32 (about 1.8e19), an update no optimizer could use either.
+  ``value`` is optax's extra arg for the loss (``make_train_step`` passes it);
+  when given, a non-finite loss skips the step too, and it is forwarded to
+  ``inner`` with every other extra arg.
+
+  Put this transformation **outermost**: clipping, schedules and accumulation
+  (``optax.MultiSteps``) then see unscaled gradients and are skipped whole.
+  ``make_train_step`` refuses a scaler nested inside another transformation.
 
   Args:
     inner: any optax transformation, including ``optax.chain``,
@@ -308,10 +299,10 @@ def dynamic_loss_scaling(
     >>> float(jmp.loss_scale_of(state)), int(jmp.skipped_steps_of(state))
     (2.0, 1)
   """
-  config = _check_config(
+  config = ScalingConfig.dynamic(
       init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale
   )
-  return _loss_scaling(inner, *config)
+  return _loss_scaling(inner, config)
 
 
 def static_loss_scaling(
@@ -344,15 +335,46 @@ def static_loss_scaling(
     >>> updates["w"], float(jmp.loss_scale_of(state))
     (Array([-1.], dtype=float32), 8.0)
   """
-  value = _real("scale", scale)
-  _check_scale("scale", value)
-  return _loss_scaling(inner, value, 1.0, 1.0, 1, value, value)
+  return _loss_scaling(inner, ScalingConfig.static(scale))
+
+
+def scaling_update_of(tx: Any) -> ScalingUpdate | None:
+  """The :class:`ScalingUpdate` of ``tx`` if ``tx`` is itself a loss-scaling transformation."""
+  update = getattr(tx, "update", None)
+  return update if isinstance(update, ScalingUpdate) else None
+
+
+def _is_scale_state(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
+
+
+def scale_state_paths(opt_state: optax.OptState) -> list[str]:
+  """``"opt_state..."`` paths of every :class:`LossScaleState` inside ``opt_state``."""
+  flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_scale_state)[0]
+  return ["opt_state" + jax.tree_util.keystr(p) for p, x in flat if _is_scale_state(x)]
+
+
+def check_outermost(tx: Any, opt_state: optax.OptState) -> None:
+  """Refuses a loss-scaling state that is not ``tx``'s own, outermost one.
+
+  Raises:
+    ValueError: if ``opt_state`` holds a :class:`LossScaleState` anywhere but
+      at its root, or more than one.
+  """
+  paths = scale_state_paths(opt_state)
+  if len(paths) > 1:
+    what = f"tx has {len(paths)} loss-scaling states, at {', '.join(paths)}"
+  elif paths and not (scaling_update_of(tx) is not None and paths == ["opt_state"]):
+    what = f"tx's loss scaling is not outermost: its state is at {paths[0]}"
+  else:
+    return
+  raise ValueError(_OUTERMOST_MSG.format(what=what))
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState | None:
   """The first :class:`LossScaleState` inside ``opt_state`` (depth-first), or None."""
-  for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)):
-    if isinstance(node, LossScaleState):
+  for node in jax.tree.leaves(opt_state, is_leaf=_is_scale_state):
+    if _is_scale_state(node):
       return node
   return None
 

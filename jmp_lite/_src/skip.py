@@ -1,0 +1,145 @@
+"""The skip: one decision and one mechanism for non-finite steps.
+
+:func:`guarded_update` is the only place that decides whether an optimizer
+update runs. The loss-scaling transformation calls it with ``1 / scale``; the
+train step calls it directly for a ``tx`` without loss scaling.
+
+The decision is one reduction: the sum of squares of the unscaled gradients,
+computed in at least float32 (float64 for float64 gradients). It is finite
+exactly when every gradient is finite and the global norm does not overflow,
+and its square root is the ``grad_norm`` metric. A non-finite ``value`` (the
+loss, passed as optax's extra arg) skips too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite._src import tree_utils
+
+UpdateFn = Callable[[optax.Updates, optax.OptState, "optax.Params | None"],
+                    tuple[optax.Updates, optax.OptState]]
+
+
+class Guarded(NamedTuple):
+  """What :func:`guarded_update` returns.
+
+  Attributes:
+    updates: the inner updates, or ``-0.0`` everywhere on a skipped step.
+    state: the inner state, returned as it was on a skipped step.
+    sumsq: sum of squares of the unscaled gradients (float32, or float64).
+    finite: scalar bool; False means the step was skipped.
+  """
+
+  updates: optax.Updates
+  state: optax.OptState
+  sumsq: jax.Array
+  finite: jax.Array
+
+
+def _real_dtype(dtype: np.dtype) -> np.dtype:
+  return np.dtype(jnp.finfo(dtype).dtype)
+
+
+def unscale(grads: optax.Updates, inv_scale: jax.Array | None) -> optax.Updates:
+  """Floating and complex leaves widened (:func:`tree_utils.wide_dtype`) and times ``inv_scale``.
+
+  ``inv_scale=None`` only widens. ``1 / scale`` is computed in each leaf's
+  wide dtype, so float64 gradients are unscaled in float64.
+  """
+
+  def one(g):
+    wide = tree_utils.wide_dtype(g.dtype)
+    g = g.astype(wide)
+    if inv_scale is None:
+      return g
+    return g * inv_scale.astype(_real_dtype(wide)).astype(wide)
+
+  return tree_utils.map_inexact(one, grads)
+
+
+def unscaled_sumsq(grads: optax.Updates, inv_scale: jax.Array | None) -> jax.Array:
+  """Sum of squares (``|g|**2`` for complex) of the unscaled gradients.
+
+  Accumulated in the widest real dtype among the leaves' wide dtypes (float32,
+  or float64 when a leaf is float64). An empty tree gives 0.
+  """
+  leaves = [g for g in jax.tree.leaves(unscale(grads, inv_scale))
+            if tree_utils.is_inexact_array(g)]
+  wide = any(_real_dtype(g.dtype).itemsize > 4 for g in leaves)
+  acc = np.dtype(jnp.float64 if wide else jnp.float32)
+  total = jnp.zeros((), acc)
+  for g in leaves:
+    sq = jnp.square(jnp.abs(g)) if jnp.iscomplexobj(g) else jnp.square(g)
+    total = total + jnp.sum(sq).astype(acc)
+  return total
+
+
+def is_finite_value(value: Any) -> jax.Array:
+  """True unless ``value`` is a floating or complex array with a non-finite element."""
+  if tree_utils.is_inexact_array(value) or isinstance(value, float):
+    return jnp.isfinite(jnp.asarray(value)).all()
+  return jnp.array(True)
+
+
+def _skip_updates(shapes: Any) -> Any:
+  """``-0.0`` for floating leaves, 0 for others.
+
+  ``-0.0`` is the additive identity bit for bit: ``p + (-0.0) == p`` for
+  every ``p``, including ``p == -0.0``, which ``p + (+0.0)`` would turn into
+  ``+0.0``.
+  """
+
+  def zeros(s):
+    if jnp.issubdtype(s.dtype, jnp.inexact):
+      return jnp.full(s.shape, -0.0, s.dtype)
+    return jnp.zeros(s.shape, s.dtype)
+
+  return jax.tree.map(zeros, shapes)
+
+
+def guarded_update(
+    update_fn: UpdateFn,
+    grads: optax.Updates,
+    state: optax.OptState,
+    params: optax.Params | None,
+    *,
+    inv_scale: jax.Array | None,
+    value: Any = None,
+) -> Guarded:
+  """``update_fn(unscale(grads), state, params)``, or a skip.
+
+  The update runs under ``lax.cond`` on ``finite``: when it is False the
+  update does not run, the updates are ``-0.0`` and ``state`` is returned as
+  it was, so ``optax.apply_updates`` leaves the params unchanged bit for bit.
+
+  Args:
+    update_fn: the inner update, called with unscaled (widened) gradients.
+    grads: gradients of the scaled loss.
+    state: the inner state.
+    params: passed through to ``update_fn``.
+    inv_scale: ``1 / scale`` (float32), or ``None`` for no scaling.
+    value: the loss, if known; a non-finite value skips the step.
+
+  Returns:
+    A :class:`Guarded`.
+  """
+  sumsq = unscaled_sumsq(grads, inv_scale)
+  finite = jnp.isfinite(sumsq) & is_finite_value(value)
+
+  def apply(operand):
+    g, s, p = operand
+    return update_fn(unscale(g, inv_scale), s, p)
+
+  def skip(operand):
+    return _skip_updates(update_shapes), operand[1]
+
+  operand = (grads, state, params)
+  update_shapes, _ = jax.eval_shape(apply, operand)
+  updates, state = jax.lax.cond(finite, apply, skip, operand)
+  return Guarded(updates, state, sumsq, finite)
