@@ -8,6 +8,9 @@ interleaved (their order rotates each repeat), and the step time is the median
 over repeats; each repeat times ``inner`` consecutive steps followed by
 ``block_until_ready`` (see ``benchmarks/measure.py``).
 
+``--model all`` runs ``models.DEFAULT_MODELS``; the deep Transformer runs only
+when named (``--model deep_transformer``).
+
 Bars are printed as PASS or FAIL; smoke-sized runs print them as
 ``SMOKE (not meaningful)`` and mark them ``"meaningful": false`` in the JSON.
 """
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
       "--model",
       choices=(*models.MODELS, "all"),
-      help="the model to run; all: " + ",".join(models.MODELS)
+      help="the model to run; all: " + ",".join(models.DEFAULT_MODELS)
       + " (default: all; with --smoke: mlp)",
   )
   cli.add_common_arguments(p, "a tiny model, 3 repeats, bars not meaningful: a CI check")
@@ -69,7 +72,7 @@ def parse_args(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
   except ValueError as e:
     p.error(f"--variants: {e}")
   model = args.model or ("mlp" if args.smoke else "all")
-  args.models = list(models.MODELS) if model == "all" else [model]
+  args.models = list(models.DEFAULT_MODELS) if model == "all" else [model]
   if args.smoke:
     args.steps, args.warmup, args.sample_seconds = min(args.steps, 3), 1, 0.0
   return args
