@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "lstm")
@@ -307,4 +308,51 @@ def build_problem(
       loss_fn=loss_fn,
       examples=b,
       activation_heavy=heavy,
+  )
+
+
+def build_leaf_problem(leaves: int, leaf_size: int, *, seed: int = 0) -> Problem:
+  """A model of ``leaves`` vectors of ``leaf_size`` floats with a trivial loss.
+
+  The loss, ``sum_i mean(tanh(p_i * x))`` over the leaves ``p_i`` and one data
+  vector ``x``, costs a few element-wise ops per float, so the optimizer and
+  the per-leaf work of loss scaling dominate the step. The batch is
+  ``{"x": x}``.
+
+  Args:
+    leaves: the number of parameter leaves, named ``p0000``, ``p0001``...
+    leaf_size: the floats in each leaf.
+    seed: the NumPy seed for params and data.
+
+  Returns:
+    A :class:`Problem` named ``"leaves"``.
+
+  Raises:
+    ValueError: if ``leaves`` or ``leaf_size`` is < 1.
+
+  Examples:
+    >>> problem = build_leaf_problem(3, 4)
+    >>> sorted(problem.params), problem.params["p0000"].shape
+    (['p0000', 'p0001', 'p0002'], (4,))
+    >>> problem.loss_fn(problem.params, problem.batch).shape
+    ()
+  """
+  for key, value in (("leaves", leaves), ("leaf_size", leaf_size)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+  rng = np.random.default_rng(seed)
+  values = rng.standard_normal((leaves + 1, leaf_size), np.float32)
+  params = {f"p{i:04d}": jnp.asarray(v) for i, v in enumerate(values[:-1])}
+
+  def loss_fn(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    return sum(jnp.mean(jnp.tanh(p * batch["x"])) for p in params.values())
+
+  return Problem(
+      name="leaves",
+      config=dict(leaves=leaves, leaf_size=leaf_size),
+      params=params,
+      batch={"x": jnp.asarray(values[-1])},
+      loss_fn=loss_fn,
+      examples=1,
+      activation_heavy=False,
   )

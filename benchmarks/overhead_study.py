@@ -24,6 +24,7 @@ proposed changes to the library before making them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -152,8 +153,8 @@ def variants(problem: models.Problem) -> list[variants_lib.Variant]:
   return out
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Runs the study and prints step times relative to ``base``."""
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
   p = cli.parser("python -m benchmarks.overhead_study", __doc__, "Modes: " + ", ".join(MODES))
   p.add_argument(
       "--model", default="mlp", choices=models.MODELS, help="the model (default: %(default)s)"
@@ -163,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
       "--device", default="cpu", choices=("cpu", "gpu"), help="where to run (default: %(default)s)"
   )
   p.add_argument("--json", help="also write the results to this file")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the study and prints step times relative to ``base``."""
+  args = build_parser().parse_args(argv)
   cli.select_platform(args)
   problem = models.build_problem(args.model, args.device)
   lives = [measure.prepare(v, problem.batch, args.warmup) for v in variants(problem)]
