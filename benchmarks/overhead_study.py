@@ -145,11 +145,11 @@ def variants(problem: models.Problem) -> list[variants_lib.Variant]:
 
     def init():
       p = variants_lib.copy_tree(problem.params)
-      return (p, (jnp.asarray(variants_lib.INIT_SCALE, jnp.float32), jnp.zeros((), jnp.int32), inner.init(p)))
+      scale = jnp.asarray(variants_lib.INIT_SCALE, jnp.float32)
+      return (p, (scale, jnp.zeros((), jnp.int32), inner.init(p)))
 
-    out.append(
-        variants_lib.Variant(mode, jit(_proto_step(problem.loss_fn, inner, mode)), init, lambda s: s[1][0])
-    )
+    step = jit(_proto_step(problem.loss_fn, inner, mode))
+    out.append(variants_lib.Variant(mode, step, init, lambda s: s[1][0]))
   return out
 
 
