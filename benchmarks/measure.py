@@ -40,6 +40,13 @@ CPU_BARS = (
     ("overhead", 1.03, None, "f16_dynamic / f16_noscale (dynamic-scaling overhead)"),
     ("vs_jmp", 1.00, None, "f16_dynamic / jmp_dynamic (jmp_lite vs hand-written jmp)"),
     ("vs_flax", 1.00, None, "f16_dynamic / flax_dynamic (jmp_lite vs Flax DynamicScale)"),
+    # Issue 13: the skip may not hold an extra copy of the gradients.
+    (
+        "temp_overhead",
+        1.05,
+        ("mlp", "deep_transformer"),
+        "f16_dynamic / f16_noscale compiled temp memory",
+    ),
 )
 GPU_BARS = (
     ("bf16_vs_fp32_highest", 1 / 3, ("transformer", "lstm"), "bf16 / fp32 highest (step time)"),
@@ -272,6 +279,7 @@ def ratios(records: dict[str, dict[str, Any]], times: dict[str, list[float]]) ->
       mem_ratio(f"{name}_temp_vs_fp32", name, "fp32", "temp")
       mem_ratio(f"{name}_total_vs_fp32", name, "fp32", "total")
   time_ratio("overhead", "f16_dynamic", "f16_noscale")
+  mem_ratio("temp_overhead", "f16_dynamic", "f16_noscale", "temp")
   time_ratio("vs_jmp", "f16_dynamic", "jmp_dynamic")
   time_ratio("vs_flax", "f16_dynamic", "flax_dynamic")
   time_ratio("bf16_vs_fp32_highest", "bf16", "fp32_highest")

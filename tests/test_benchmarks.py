@@ -107,9 +107,12 @@ def test_json_is_complete_and_consistent(smoke):
   assert math.isclose(ratios["overhead"], med["f16_dynamic"] / med["f16_noscale"])
   assert math.isclose(ratios["vs_jmp"], med["f16_dynamic"] / med["jmp_dynamic"])
   assert math.isclose(ratios["vs_flax"], med["f16_dynamic"] / med["flax_dynamic"])
+  temp = {n: v["memory_bytes"]["temp"] for n, v in variants.items()}
+  assert ratios["temp_overhead"] == temp["f16_dynamic"] / temp["f16_noscale"]
   bars = {b["bar"]: b for b in result["bars"]}
-  assert set(bars) == {"overhead", "vs_jmp", "vs_flax"}
-  for key, limit in (("overhead", 1.03), ("vs_jmp", 1.0), ("vs_flax", 1.0)):
+  assert set(bars) == {"overhead", "vs_jmp", "vs_flax", "temp_overhead"}
+  limits = (("overhead", 1.03), ("vs_jmp", 1.0), ("vs_flax", 1.0), ("temp_overhead", 1.05))
+  for key, limit in limits:
     assert bars[key]["limit"] == limit
     assert bars[key]["value"] == ratios[key]
     assert bars[key]["passed"] == (ratios[key] <= limit)
@@ -119,7 +122,7 @@ def test_json_is_complete_and_consistent(smoke):
 
 def test_prints_the_table_and_the_bars(smoke):
   proc, out, files = smoke
-  md = _assert_smoke_output(proc, files, bar_count=3)
+  md = _assert_smoke_output(proc, files, bar_count=4)
   header = "| variant | step ms | examples/s | time vs fp32 |"
   assert header in proc.stdout
   table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
