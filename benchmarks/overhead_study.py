@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import cli
+from benchmarks import measure
 from benchmarks import models
-from benchmarks import run
+from benchmarks import variants as variants_lib
 
 MODES = ("cond_updates", "cond_apply", "cond_apply_sumsq", "where")
 
@@ -42,10 +44,10 @@ MODES = ("cond_updates", "cond_apply", "cond_apply_sumsq", "where")
 def _proto_step(loss_fn, inner, mode):
   def step(state, batch):
     params, (scale, count, inner_state) = state
-    batch = run._cast_floating(batch, jnp.float16)  # pylint: disable=protected-access
+    batch = variants_lib.cast_floating(batch, jnp.float16)
 
     def f(p):
-      loss = loss_fn(run._cast_floating(p, jnp.float16), batch).astype(jnp.float32)  # pylint: disable=protected-access
+      loss = loss_fn(variants_lib.cast_floating(p, jnp.float16), batch).astype(jnp.float32)
       return loss * scale, loss
 
     grads, loss = jax.grad(f, has_aux=True)(params)
@@ -85,7 +87,7 @@ def _proto_step(loss_fn, inner, mode):
     else:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     count = jnp.where(finite, count + 1, 0)
-    grow = count >= run.GROWTH_INTERVAL
+    grow = count >= variants_lib.GROWTH_INTERVAL
     scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale * 0.5, 1.0))
     count = jnp.where(grow, 0, count)
     return (params, (scale, count, inner_state)), loss
@@ -112,27 +114,27 @@ def _lib_tx_step(loss_fn, tx, policy):
   return step
 
 
-def variants(problem: models.Problem) -> list[run.Variant]:
+def variants(problem: models.Problem) -> list[variants_lib.Variant]:
   """The study's variants (see the module docstring)."""
   import jmp_lite  # pylint: disable=import-outside-toplevel
 
-  inner = optax.adam(run.LEARNING_RATE)
+  inner = optax.adam(variants_lib.LEARNING_RATE)
   jit = lambda f: jax.jit(f, donate_argnums=(0,))  # noqa: E731
   out = [
-      run.make_variant("f16_noscale", problem),
-      run.make_variant("f16_dynamic", problem),
+      variants_lib.make_variant("f16_noscale", problem),
+      variants_lib.make_variant("f16_dynamic", problem),
   ]
   out[0].name, out[1].name = "base", "lib"
   tx = jmp_lite.dynamic_loss_scaling(
-      inner, init_scale=run.INIT_SCALE, growth_interval=run.GROWTH_INTERVAL
+      inner, init_scale=variants_lib.INIT_SCALE, growth_interval=variants_lib.GROWTH_INTERVAL
   )
 
   def lib_tx_init():
-    p = run._copy(problem.params)  # pylint: disable=protected-access
+    p = variants_lib.copy_tree(problem.params)
     return (p, tx.init(p))
 
   out.append(
-      run.Variant(
+      variants_lib.Variant(
           "lib_tx",
           jit(_lib_tx_step(problem.loss_fn, tx, jmp_lite.get_policy("mixed_float16"))),
           lib_tx_init,
@@ -142,53 +144,53 @@ def variants(problem: models.Problem) -> list[run.Variant]:
   for mode in MODES:
 
     def init():
-      p = run._copy(problem.params)  # pylint: disable=protected-access
-      return (p, (jnp.asarray(run.INIT_SCALE, jnp.float32), jnp.zeros((), jnp.int32), inner.init(p)))
+      p = variants_lib.copy_tree(problem.params)
+      scale = jnp.asarray(variants_lib.INIT_SCALE, jnp.float32)
+      return (p, (scale, jnp.zeros((), jnp.int32), inner.init(p)))
 
-    out.append(
-        run.Variant(mode, jit(_proto_step(problem.loss_fn, inner, mode)), init, lambda s: s[1][0])
-    )
+    step = jit(_proto_step(problem.loss_fn, inner, mode))
+    out.append(variants_lib.Variant(mode, step, init, lambda s: s[1][0]))
   return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = cli.parser("python -m benchmarks.overhead_study", __doc__, "Modes: " + ", ".join(MODES))
+  p.add_argument(
+      "--model", default="mlp", choices=models.MODELS, help="the model (default: %(default)s)"
+  )
+  cli.add_timing_arguments(p, "--steps", 21)
+  p.add_argument(
+      "--device", default="cpu", choices=("cpu", "gpu"), help="where to run (default: %(default)s)"
+  )
+  p.add_argument("--json", help="also write the results to this file")
+  return p
 
 
 def main(argv: list[str] | None = None) -> int:
   """Runs the study and prints step times relative to ``base``."""
-  p = argparse.ArgumentParser(prog="python -m benchmarks.overhead_study")
-  p.add_argument("--model", default="mlp", choices=models.MODELS)
-  p.add_argument("--steps", type=int, default=21)
-  p.add_argument("--sample-seconds", type=float, default=0.1)
-  p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
-  p.add_argument("--json", help="also write the results to this file")
-  args = p.parse_args(argv)
-  if args.device == "cpu":
-    jax.config.update("jax_platforms", "cpu")
+  args = build_parser().parse_args(argv)
+  cli.select_platform(args)
   problem = models.build_problem(args.model, args.device)
-  lives = [run._prepare(v, problem.batch, warmup=3) for v in variants(problem)]  # pylint: disable=protected-access
-  single = [run._time_once(live, problem.batch, 1) for live in lives]  # pylint: disable=protected-access
-  inner = max(1, round(args.sample_seconds / statistics.median(single)))
-  for r in range(args.steps):
-    k = r % len(lives)
-    for live in lives[k:] + lives[:k]:
-      live.times.append(run._time_once(live, problem.batch, inner))  # pylint: disable=protected-access
+  lives = [measure.prepare(v, problem.batch, args.warmup) for v in variants(problem)]
+  inner = measure.calibrate(lives, problem.batch, args.sample_seconds)
+  measure.time_interleaved(lives, problem.batch, args.steps, inner)
   base = lives[0].times
-  for live in lives:
-    del live.cpu_times[: len(live.cpu_times) - args.steps]  # drop the calibration call
   cbase = lives[0].cpu_times
   rows = []
   for live in lives:
     ts = live.times
+    wall, cpu = measure.compare(ts, base), measure.compare(live.cpu_times, cbase)
     rows.append(
         dict(
             name=live.variant.name,
             median_ms=statistics.median(ts) * 1e3,
             min_ms=min(ts) * 1e3,
-            vs_base=statistics.median(ts) / statistics.median(base),
-            vs_base_paired=statistics.median(a / b for a, b in zip(ts, base)),
-            vs_base_of_mins=min(ts) / min(base),
-            cpu_vs_base=statistics.median(live.cpu_times) / statistics.median(cbase),
-            cpu_vs_base_paired=statistics.median(
-                a / b for a, b in zip(live.cpu_times, cbase)
-            ),
+            vs_base=wall["median"],
+            vs_base_paired=wall["paired_median"],
+            vs_base_of_mins=wall["of_mins"],
+            cpu_vs_base=cpu["median"],
+            cpu_vs_base_paired=cpu["paired_median"],
             temp_mib=(live.record["memory_bytes"]["temp"] or 0) / 2**20,
         )
     )

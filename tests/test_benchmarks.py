@@ -1,9 +1,11 @@
-"""The benchmark suite's CI check: ``python -m benchmarks.run --smoke`` end to end.
+"""The benchmark suite's CI check: the ``--smoke`` runs of ``benchmarks.run``
+and ``benchmarks.sweep`` end to end.
 
-The bars themselves are checked by the benchmark (and printed as PASS/FAIL),
-not here: smoke-sized timings are noise. This test checks that the command
-runs, prints the table and the bar lines, and writes consistent JSON,
-Markdown and PNG files.
+The bars themselves are checked by the benchmarks, not here: smoke-sized
+timings are noise, so a smoke run prints its bars as not meaningful (never
+FAIL). These tests check that the commands run, print their tables and bar
+lines, write consistent JSON, Markdown and PNG files, and document every
+option in ``--help``.
 """
 
 from __future__ import annotations
@@ -12,45 +14,67 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
 import pytest
 
+from benchmarks import overhead_study
+from benchmarks import report
+from benchmarks import run
+from benchmarks import sweep
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOKE_VARIANTS = ("fp32", "bf16", "f16_dynamic", "f16_noscale", "jmp_dynamic", "flax_dynamic")
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-  out = tmp_path_factory.mktemp("bench")
-  env = dict(os.environ, PYTHONWARNINGS="error")
+def _smoke_run(module, out):
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
+      [sys.executable, "-m", module, "--smoke", "--out", str(out)],
       cwd=ROOT,
-      env=env,
+      env=dict(os.environ, PYTHONWARNINGS="error"),
       capture_output=True,
       text=True,
       timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  files = sorted(out.iterdir())
-  return proc, out, files
+  return proc, out, sorted(out.iterdir())
 
 
-def test_writes_json_markdown_and_png(smoke):
-  _, _, files = smoke
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  return _smoke_run("benchmarks.run", tmp_path_factory.mktemp("bench"))
+
+
+@pytest.fixture(scope="module")
+def sweep_smoke(tmp_path_factory):
+  return _smoke_run("benchmarks.sweep", tmp_path_factory.mktemp("sweep"))
+
+
+def _assert_json_md_png(files, prefix):
   suffixes = sorted(f.suffix for f in files)
   assert suffixes == [".json", ".md", ".png"], files
   stems = {f.stem for f in files}
-  assert len(stems) == 1 and next(iter(stems)).startswith("cpu-"), stems
+  assert len(stems) == 1 and next(iter(stems)).startswith(prefix), stems
   png = next(f for f in files if f.suffix == ".png")
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  return json.loads(next(f for f in files if f.suffix == ".json").read_text())
+
+
+def _assert_smoke_output(proc, files, bar_count):
+  md = next(f for f in files if f.suffix == ".md").read_text()
+  assert md in proc.stdout
+  bar_lines = [line for line in proc.stdout.splitlines() if "(limit " in line]
+  assert len(bar_lines) == bar_count
+  assert all(line.startswith(report.SMOKE_STATUS + " ") for line in bar_lines), bar_lines
+  assert "FAIL" not in proc.stdout and "PASS" not in proc.stdout
+  return md
 
 
 def test_json_is_complete_and_consistent(smoke):
-  _, out, files = smoke
-  result = json.loads(next(f for f in files if f.suffix == ".json").read_text())
+  _, _, files = smoke
+  result = _assert_json_md_png(files, "cpu-")
   assert result["meta"]["smoke"] is True
   assert result["meta"]["platform"] == "cpu"
   assert result["meta"]["command"].startswith("python -m benchmarks.run --smoke")
@@ -83,38 +107,170 @@ def test_json_is_complete_and_consistent(smoke):
   assert math.isclose(ratios["overhead"], med["f16_dynamic"] / med["f16_noscale"])
   assert math.isclose(ratios["vs_jmp"], med["f16_dynamic"] / med["jmp_dynamic"])
   assert math.isclose(ratios["vs_flax"], med["f16_dynamic"] / med["flax_dynamic"])
+  temp = {n: v["memory_bytes"]["temp"] for n, v in variants.items()}
+  assert ratios["temp_overhead"] == temp["f16_dynamic"] / temp["f16_noscale"]
   bars = {b["bar"]: b for b in result["bars"]}
-  assert set(bars) == {"overhead", "vs_jmp", "vs_flax"}
-  for key, limit in (("overhead", 1.03), ("vs_jmp", 1.0), ("vs_flax", 1.0)):
+  assert set(bars) == {"overhead", "vs_jmp", "vs_flax", "temp_overhead"}
+  limits = (("overhead", 1.03), ("vs_jmp", 1.0), ("vs_flax", 1.0), ("temp_overhead", 1.05))
+  for key, limit in limits:
     assert bars[key]["limit"] == limit
     assert bars[key]["value"] == ratios[key]
     assert bars[key]["passed"] == (ratios[key] <= limit)
-  assert result["all_bars_pass"] == all(b["passed"] for b in result["bars"])
+    assert bars[key]["meaningful"] is False
+  assert result["all_bars_pass"] is None
 
 
 def test_prints_the_table_and_the_bars(smoke):
   proc, out, files = smoke
-  md = next(f for f in files if f.suffix == ".md").read_text()
-  assert md in proc.stdout
+  md = _assert_smoke_output(proc, files, bar_count=4)
   header = "| variant | step ms | examples/s | time vs fp32 |"
   assert header in proc.stdout
   table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
   for label in ("fp32 (optax)", "jmp_lite f16 + dynamic scaling", "Flax DynamicScale f16"):
     assert any(line.startswith(f"| {label} |") for line in table), label
-  bar_lines = [
-      line for line in proc.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))
-  ]
-  assert len(bar_lines) == 3
+  assert f"| {report.SMOKE_STATUS} |" in md
   assert f"wrote {out}" in proc.stdout
 
 
-def test_bad_arguments_are_refused():
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.run", "--smoke", "--policy", "fp64"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=120,
+def _parse(module, argv):
+  """Parses ``argv`` as ``python -m benchmarks.<module>`` would, in this process."""
+  parser = module.build_parser()
+  if hasattr(module, "parse_args"):
+    return module.parse_args(parser, list(argv))
+  return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "module, args, allowed",
+    [
+        (run, ("--smoke", "--variants", "fp64"), "f16_dynamic"),
+        (run, ("--smoke", "--steps", "0"), ">= 1"),
+        (run, ("--sample-seconds", "-1"), "> 0"),
+        (overhead_study, ("--model", "fp64"), "mlp"),
+        (sweep, ("--sizes", "huge"), "wide"),
+        (sweep, ("--leaves", "50,0"), ">= 1"),
+    ],
+)
+def test_bad_arguments_are_refused(module, args, allowed, capsys):
+  with pytest.raises(SystemExit) as e:
+    _parse(module, args)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert args[-1] in err and allowed in err, err
+
+
+def test_smoke_defaults():
+  args = _parse(run, ["--smoke"])
+  assert args.models == ["mlp"] and args.steps == 3 and "fp32_highest" not in args.names
+  args = _parse(sweep, ["--smoke", "--variants", "flax_dynamic"])
+  assert args.leaves == list(sweep.SMOKE_LEAVES) and args.repeats == 2
+  assert args.names == ["f16_noscale", "flax_dynamic"]  # the baseline always runs
+  args = _parse(sweep, ["--leaves", "1000,50"])
+  assert args.leaves == [50, 1000] and args.sizes == ["small", "wide"]
+
+
+def _options(help_text):
+  """``{option: its help text}`` from an argparse ``--help`` output."""
+  options, current = {}, None
+  for line in help_text.split("options:")[1].splitlines():
+    if line.startswith("  -"):
+      words = line.split()
+      current = next(w.rstrip(",") for w in words if w.startswith("--"))
+      # The help starts on the option's line after two spaces, or on the next line.
+      head = line[2:].split("  ", 1)
+      options[current] = head[1].strip() if len(head) > 1 else ""
+    elif line.startswith("    ") and current:
+      options[current] = (options[current] + " " + line.strip()).strip()
+    else:
+      current = None
+  return options
+
+
+@pytest.mark.parametrize("module", [run, sweep, overhead_study])
+def test_help_documents_every_option_and_its_default(module):
+  text = module.build_parser().format_help()
+  options = _options(text)
+  usage = text.split("options:")[0]
+  used = {w.strip("[]") for w in usage.split() if w.startswith("[--")}
+  assert used and used <= set(options), (used, options)
+  for option, text in options.items():
+    assert text, f"{option} has no help text"
+  repeats = "--repeats" if module is sweep else "--steps"
+  for option in (repeats, "--sample-seconds", "--device", "--warmup") + (
+      ("--variants",) if module is not overhead_study else ()
+  ):
+    assert "(default: " in options[option], (option, options[option])
+  assert "--policy" not in text
+
+
+def test_sweep_json_is_complete_and_consistent(sweep_smoke):
+  _, _, files = sweep_smoke
+  result = _assert_json_md_png(files, "sweep-cpu-")
+  assert result["meta"]["smoke"] is True
+  assert result["meta"]["command"].startswith("python -m benchmarks.sweep --smoke")
+  cases = [(c["size"], c["leaf_size"], c["leaves"]) for c in result["cases"]]
+  assert cases == [("small", 16, 3), ("small", 16, 10), ("wide", 4096, 3), ("wide", 4096, 10)]
+  for c in result["cases"]:
+    assert tuple(c["variants"]) == sweep.VARIANTS
+    base = c["variants"]["f16_noscale"]
+    for name, v in c["variants"].items():
+      assert len(v["step_s"]["samples"]) == c["repeats"] == 2
+      assert v["lower_s"] > 0 and v["compile_s"] > 0
+      assert v["memory_bytes"]["temp"] > 0
+      assert math.isfinite(v["loss_after_warmup"])
+      if name == "f16_noscale":
+        assert v["loss_scale_before"] is None
+        continue
+      assert v["loss_scale_before"] == 2.0**15 and v["skipped_during_timing"] is False
+      r = c["ratios"][name]
+      assert r["step"] == (
+          statistics.median(v["step_s"]["samples"]) / statistics.median(base["step_s"]["samples"])
+      )
+      assert r["compile"] == v["compile_s"] / base["compile_s"]
+      assert r["lower"] == v["lower_s"] / base["lower_s"]
+      assert r["temp"] == v["memory_bytes"]["temp"] / base["memory_bytes"]["temp"]
+    g = c["gradient_report"]
+    assert g["first_s"] > 0 and g["second_s"] > 0
+  # The targets are set at 200, 300 and 1000 leaves: none at smoke sizes.
+  assert result["bars"] == [] and result["all_bars_pass"] is None
+
+
+def test_sweep_prints_its_tables(sweep_smoke):
+  proc, out, files = sweep_smoke
+  md = _assert_smoke_output(proc, files, bar_count=0)
+  assert "| size | leaves | variant | step ms | step x |" in md
+  assert "| wide | 10 | f16_dynamic |" in md
+  assert "| size | leaves | gradient_report first call s | second call s |" in md
+  assert f"wrote {out}" in proc.stdout
+
+
+def _case(size, leaves, step, compile_, report_s):
+  return dict(
+      size=size,
+      leaves=leaves,
+      ratios={"f16_dynamic": dict(step=step, compile=compile_)},
+      gradient_report=dict(first_s=report_s, second_s=0.5),
   )
-  assert proc.returncode == 2
-  assert "fp64" in proc.stderr and "f16_dynamic" in proc.stderr
+
+
+@pytest.mark.parametrize("meaningful", [True, False])
+def test_sweep_checks_issue_13_targets_where_their_cases_ran(meaningful):
+  cases = [
+      _case("wide", 200, 1.04, 9.0, 1.0),  # step passes; compile is not a target here
+      _case("small", 300, 2.0, 1.6, 1.0),  # compile fails
+      _case("small", 1000, 2.0, 1.4, 4.6),  # compile passes; report 5.1 s fails
+      _case("wide", 1000, 2.0, 2.0, 4.4),  # report 4.9 s passes
+      _case("small", 50, 9.0, 9.0, 9.0),  # no target
+  ]
+  bars = sweep.check_bars(cases, meaningful)
+  got = [(b["bar"], b["case"], b["value"], b["passed"]) for b in bars]
+  assert got == [
+      ("step", "wide x 200", 1.04, True),
+      ("compile", "small x 300", 1.6, False),
+      ("compile", "small x 1000", 1.4, True),
+      ("gradient_report", "small x 1000", 5.1, False),
+      ("gradient_report", "wide x 1000", 4.9, True),
+  ]
+  assert [b["limit"] for b in bars] == [1.05, 1.5, 1.5, 5.0, 5.0]
+  statuses = {report.bar_status(b) for b in bars}
+  assert statuses == ({"PASS", "FAIL"} if meaningful else {report.SMOKE_STATUS})
