@@ -252,3 +252,43 @@ def test_train_step_rejects_a_non_train_state():
 def test_gradient_report_on_an_empty_tree(tree):
   with pytest.raises(ValueError, match=r"gradient_report needs a pytree with floating array leaves, got"):
     jmp.gradient_report(tree)
+
+
+# ----------------------------------------------------------- issue 11, items 13 and 14
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: jmp.Policy(None, jnp.float16, jnp.float32), TypeError,
+     r"param_dtype must be a floating dtype .*got None"),
+    (lambda: jmp.get_policy("float128"), ValueError, r"Unknown dtype 'float128'"),
+    (lambda: jmp.Policy(np.longdouble, jnp.float16, jnp.float32), TypeError,
+     r"param_dtype must be a floating dtype"),
+    (lambda: jmp.make_train_step(lambda p, b: 0.0, jmp.get_policy("f32"), donate="no"),
+     TypeError, r"donate must be True or False, got 'no'"),
+    (lambda: jmp.make_train_step(lambda p, b: 0.0, jmp.get_policy("f32"), has_aux=1),
+     TypeError, r"has_aux must be True or False, got 1"),
+    (lambda: jmp.StaticLossScale(True), TypeError, r"loss_scale must be a real number, got True"),
+])
+def test_more_bad_arguments(make, exc, match):
+  with pytest.raises(exc, match=match):
+    make()
+
+
+@pytest.mark.parametrize("text,suggestion", [
+    ("mixed_fp16", "'mixed_float16'"),
+    ("mixed_bf16", "'mixed_bfloat16'"),
+    ("flaot16", "'float16'"),
+    ("p=f32,c=bfloat", "'bfloat16'"),
+])
+def test_get_policy_suggests_the_closest_names(text, suggestion):
+  with pytest.raises(ValueError, match=rf"Unknown dtype .*did you mean {suggestion}") as e:
+    jmp.get_policy(text)
+  if "=" not in text:  # A bare name also gets the grammar, Keras names included.
+    assert "mixed_float16" in str(e.value) and "p=f32,c=bf16,o=f32" in str(e.value)
+
+
+def test_a_pair_without_has_aux_suggests_has_aux():
+  step = jmp.make_train_step(lambda p, b: (jnp.sum(p["w"]), 1), jmp.get_policy("f32"))
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"it returned a pair.*has_aux=True"):
+    step(state, {})

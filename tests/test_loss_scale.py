@@ -211,3 +211,98 @@ def test_select_tree_rejects_bad_pred():
     jmp_lite.select_tree(jnp.float32(1.0), a, a)
   with pytest.raises(TypeError, match="bool"):
     jmp_lite.select_tree(1, a, a)
+
+
+# ---------------------------------------------------------------- issue 11 (hardening, round 2)
+
+
+def test_complex_leaves_are_checked_scaled_and_unscaled(maybe_jit):
+  z = jnp.array([1 + 2j, -3j], jnp.complex64)
+  assert not bool(maybe_jit(jmp_lite.all_finite)({"z": z.at[1].set(complex(0, jnp.nan))}))
+  assert not bool(jmp_lite.all_finite({"z": z.at[0].set(complex(jnp.inf, 0))}))
+  assert bool(jmp_lite.all_finite({"z": z}))
+  for ls in (jmp_lite.DynamicLossScale(jnp.float32(4.0)), jmp_lite.StaticLossScale(4.0),
+             jmp_lite.StaticLossScale(jnp.float32(4.0))):
+    scaled = maybe_jit(ls.scale)({"z": z})["z"]
+    assert scaled.dtype == jnp.complex64
+    np.testing.assert_array_equal(scaled, 4 * z)
+    np.testing.assert_array_equal(maybe_jit(ls.unscale)({"z": scaled})["z"], z)
+
+
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_scale_and_unscale_half_and_float8_leaves(promotion, dtype):
+  tree = {"g": jnp.array([0.5, -2.0], dtype)}
+  for ls, expected_dtype in [
+      (jmp_lite.StaticLossScale(8.0), dtype),  # A Python scale keeps the leaf dtype.
+      (jmp_lite.StaticLossScale(jnp.float32(8.0)), jnp.float32),
+      (jmp_lite.DynamicLossScale(jnp.float32(8.0)), jnp.float32),
+  ]:
+    with jax.numpy_dtype_promotion(promotion):
+      scaled = ls.scale(tree)["g"]
+      unscaled = ls.unscale({"g": scaled})["g"]
+    assert scaled.dtype == unscaled.dtype == expected_dtype
+    np.testing.assert_array_equal(scaled.astype(jnp.float32), [4.0, -16.0])
+    np.testing.assert_array_equal(unscaled.astype(jnp.float32), [0.5, -2.0])
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(loss_scale=float("inf")), ValueError, r"loss_scale must be finite and > 0, got inf"),
+    (dict(loss_scale=float("nan")), ValueError, r"loss_scale must be finite and > 0, got nan"),
+    (dict(loss_scale=np.float32(-2.0)), ValueError, r"loss_scale must be finite and > 0"),
+    (dict(loss_scale=True), TypeError, r"loss_scale must be a real number, got True"),
+    (dict(loss_scale=2.0, min_loss_scale=float("nan")), ValueError,
+     r"min_loss_scale must be finite and >= 0, got nan"),
+    (dict(loss_scale=2.0, period=2.5), TypeError, r"period must be an int >= 1, got 2\.5"),
+    (dict(loss_scale=2.0, factor=np.float32(0.5)), ValueError,
+     r"factor must be finite and > 1, got np.float32\(0\.5\)"),
+    (dict(loss_scale=2.0, factor="2"), TypeError, r"factor must be a real number, got '2'"),
+    (dict(loss_scale=2.0, counter=-1), ValueError, r"counter must be an int >= 0, got -1"),
+])
+def test_dynamic_rejects_bad_python_values(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp_lite.DynamicLossScale(**kwargs)
+
+
+def test_dynamic_int_scale_warns_like_jmp_and_then_works():
+  with pytest.warns(UserWarning, match="Expected floating type for loss_scale, got int32"):
+    ls = jmp_lite.DynamicLossScale(jnp.asarray(4, jnp.int32), period=1)
+  assert ls.loss_scale.dtype == jnp.float32
+  ls = jax.jit(lambda s: s.adjust(jnp.array(True)))(ls)
+  assert float(ls.loss_scale) == 8.0
+
+
+@pytest.mark.parametrize("counter", [3, 5, 7])
+def test_counter_at_or_past_period_follows_jmp(counter):
+  ours = jmp_lite.DynamicLossScale(jnp.float32(8.0), jnp.int32(counter), period=3)
+  theirs = jmp.DynamicLossScale(jnp.float32(8.0), jnp.int32(counter), period=3)
+  for _ in range(7):
+    ours, theirs = ours.adjust(jnp.array(True)), theirs.adjust(jnp.array(True))
+    assert (float(ours.loss_scale), int(ours.counter)) == (
+        float(theirs.loss_scale), int(theirs.counter))
+  assert float(ours.loss_scale) > 8.0  # It grew, as jmp's does.
+
+
+@pytest.mark.parametrize("a,b,match", [
+    ({"x": jnp.ones(2, jnp.float16)}, {"x": jnp.ones(2, jnp.float32)},
+     r"leaf 'x' differs.*dtype float16 vs shape \(2,\) dtype float32"),
+    ({"y": jnp.ones((1, 8))}, {"y": jnp.ones(8)}, r"leaf 'y' differs.*shape \(1, 8\).*\(8,\)"),
+])
+def test_select_tree_neither_broadcasts_nor_promotes(a, b, match):
+  with pytest.raises(TypeError, match=match):
+    jmp_lite.select_tree(jnp.array(True), a, b)
+
+
+@pytest.mark.parametrize("value,exc", [(True, TypeError), ("4", TypeError), (0, ValueError)])
+def test_static_rejects_bools_strings_and_zero(value, exc):
+  with pytest.raises(exc, match="loss_scale must be"):
+    jmp_lite.StaticLossScale(value)
+
+
+def test_static_from_a_traced_value_like_jmp():
+  @jax.jit
+  def f(scale, x):
+    ls = jmp_lite.StaticLossScale(scale)
+    return ls.unscale(ls.scale(x) + 1.0)
+
+  np.testing.assert_allclose(f(jnp.float32(4.0), jnp.float32(2.0)), 2.25)

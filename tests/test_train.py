@@ -418,3 +418,220 @@ def test_orbax_checkpoint_resumes_bit_for_bit(tmp_path):
     restored, _ = step(restored, b)
   assert int(jmp.skipped_steps_of(restored.opt_state)) == 1
   assert_bitwise_equal(restored, uninterrupted)
+
+
+# --------------------------------------------------------------- issue 11 (hardening, round 2)
+
+
+def _scaler():
+  return jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**10)
+
+
+@pytest.mark.parametrize("make_tx,where", [
+    (lambda: optax.MultiSteps(_scaler(), 2), r"opt_state.inner_opt_state"),
+    (lambda: optax.chain(optax.scale_by_adam(), jmp.dynamic_loss_scaling(optax.scale(-1e-2))),
+     r"opt_state\[1\]"),
+    (lambda: optax.multi_transform({"a": _scaler(), "b": _scaler()},
+                                   {"w1": "a", "b1": "b", "w2": "b"}),
+     r"2 loss-scaling states"),
+    (lambda: jmp.dynamic_loss_scaling(_scaler()), r"2 loss-scaling states"),
+])
+def test_misplaced_or_duplicated_scalers_are_refused(make_tx, where):
+  tx = make_tx()
+  with pytest.raises(ValueError, match=where + r".*Put the loss scaling outermost"):
+    jmp.TrainState.create(params=make_params(), tx=tx)
+  # A state built by hand is refused by the step, at trace time.
+  params = make_params()
+  state = jmp.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                         tx=tx)
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"), donate=False)
+  with pytest.raises(ValueError, match=r"Put the loss scaling outermost"):
+    step(state, make_batch())
+
+
+def test_plain_multisteps_keeps_the_steps_guard():
+  # Without a scaler the step guards MultiSteps itself: a NaN micro-batch never
+  # reaches the accumulator, and training continues.
+  state = jmp.TrainState.create(params=make_params(), tx=optax.MultiSteps(optax.adam(1e-2), 2))
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
+  batch = make_batch()
+  finite = []
+  for b in [batch, poison(batch), batch, batch, batch]:
+    state, metrics = step(state, b)
+    finite.append(bool(metrics["grads_finite"]))
+    assert jmp.all_finite(state.opt_state.acc_grads)
+  assert finite == [True, False, True, True, True]
+  assert int(state.opt_state.gradient_step) == 2  # Two full accumulations applied.
+
+
+@pytest.mark.parametrize("tx", ["scaled", "plain"])
+def test_a_nan_loss_without_a_nan_gradient_skips(tx):
+  def loss_fn(params, batch):
+    return mlp_loss(params, batch) + jax.lax.stop_gradient(batch["bad"])
+
+  tx = _scaler() if tx == "scaled" else optax.adam(1e-2)
+  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
+  before = host(state)
+  state, metrics = step(state, dict(make_batch(), bad=jnp.float32(jnp.nan)))
+  assert np.isnan(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert not bool(metrics["grads_finite"])
+  assert_bitwise_equal(state.params, before.params)
+  inner = lambda s: s.inner_state if isinstance(s, jmp.LossScaleState) else s  # noqa: E731
+  assert_bitwise_equal(inner(state.opt_state), inner(before.opt_state))
+  state, metrics = step(state, dict(make_batch(), bad=jnp.float32(0.0)))
+  assert bool(metrics["grads_finite"])
+
+
+def test_float64_masters_unscale_and_reduce_in_float64():
+  with jax.enable_x64(True):
+    def loss_fn(params, batch):
+      return jnp.sum(params["w"] * batch["c"])
+
+    params = {"w": jnp.ones(3, jnp.float64)}
+    c = jnp.array([1e-50, 1e-12, 1e20], jnp.float64)
+    for tx in (jmp.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**10), optax.sgd(1.0)):
+      state = jmp.TrainState.create(params=params, tx=tx)
+      step = jmp.make_train_step(loss_fn, jmp.get_policy("f64"), donate=False)
+      new, metrics = step(state, {"c": c})
+      # A norm of 1e20 does not overflow float64: the step is applied, exactly.
+      assert bool(metrics["grads_finite"]) and metrics["grad_norm"].dtype == jnp.float64
+      np.testing.assert_array_equal(new.params["w"], 1.0 - c)
+      assert float(new.params["w"][0]) == 1.0 - 1e-50 and float(new.params["w"][1]) == 1 - 1e-12
+      assert float(metrics["grad_norm"]) == pytest.approx(1e20, rel=1e-12)
+
+
+def test_batch_keep_full_keeps_large_targets_in_float32():
+  def loss_fn(params, batch):
+    pred = (batch["x"] @ params["w"]).astype(jnp.float32)
+    return jnp.mean((pred - batch["y"].astype(jnp.float32) / 1e5) ** 2)
+
+  x = jax.random.normal(jax.random.key(0), (32, 4))
+  batch = {"x": x, "y": 1e5 * (x @ jnp.array([1.0, -1.0, 0.5, 2.0]))[:, None]}  # up to ~5e5
+  policy = jmp.get_policy("mixed_float16")
+  runs = {}
+  for name, kwargs in [("cast", {}), ("keep", {"batch_keep_full": ("y",)}),
+                       ("uncast", {"cast_batch": False})]:
+    tx = jmp.dynamic_loss_scaling(optax.adam(0.1), init_scale=2.0**10)
+    state = jmp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx)
+    step = jmp.make_train_step(loss_fn, policy, **kwargs)
+    for _ in range(100):
+      state, metrics = step(state, batch)
+    runs[name] = (float(metrics["loss"]), int(jmp.skipped_steps_of(state.opt_state)))
+  assert np.isinf(runs["cast"][0]) or runs["cast"][1] == 100  # Targets above 65504 are inf.
+  for name in ("keep", "uncast"):
+    assert runs[name][1] == 0 and runs[name][0] < 0.05, runs
+
+
+def test_donation_problems_are_named():
+  z = jnp.zeros(3)
+  tx = optax.sgd(0.1)
+  loss_fn = lambda p, b: jnp.sum(p["a"] * b["x"]) + jnp.sum(p["b"])  # noqa: E731
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"))
+  aliased = jmp.TrainState(step=jnp.zeros((), jnp.int32), params={"a": z, "b": z},
+                           opt_state=tx.init({"a": z, "b": z}), tx=tx)
+  with pytest.raises(ValueError, match=r"state.params\['a'\] and state.params\['b'\] are the "
+                     r"same array.*donate=False"):
+    step(aliased, {"x": jnp.ones(3)})
+  # TrainState.create copies, so the same leaves work there.
+  state = jmp.TrainState.create(params={"a": z, "b": z}, tx=tx)
+  with pytest.raises(ValueError, match=r"state.params\['a'\] and batch\['x'\] are the same array"):
+    step(state, {"x": state.params["a"]})
+  new, _ = step(state, {"x": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"state.step was deleted.*state each call returns.*"
+                     r"donate=False"):
+    step(state, {"x": jnp.ones(3)})
+  assert z.is_deleted() is False and int(new.step) == 1
+
+
+def test_caller_arrays_survive_donating_steps():
+  params = make_params()
+  state = jmp.TrainState.create(params=params, tx=_scaler())
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"))
+  for _ in range(3):
+    state, _ = step(state, make_batch())
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+  np.testing.assert_array_equal(params["w1"], make_params()["w1"])
+
+
+def test_python_and_weak_leaves_compile_once():
+  traces = []
+
+  def loss_fn(params, batch):
+    traces.append(1)
+    return jnp.sum(params["w"] * batch["x"]) * params["s"] + params["n"] + params["b"]
+
+  params = {"w": jnp.ones(2), "s": jnp.array(1.0), "n": 3, "b": True}
+  assert params["s"].weak_type
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.1))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"))
+  for _ in range(3):
+    state, _ = step(state, {"x": jnp.ones(2)})
+  assert len(traces) == 1
+  assert not any(x.weak_type for x in jax.tree.leaves(state))
+  assert (state.params["n"].dtype, state.params["b"].dtype) == (jnp.int32, jnp.bool_)
+
+
+def test_step_counter_saturates():
+  state = jmp.TrainState.create(params=make_params(), tx=optax.sgd(0.1))
+  state = state.replace(step=jnp.int32(2**31 - 2))
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("f32"))
+  for _ in range(3):
+    state, _ = step(state, make_batch())
+  assert int(state.step) == 2**31 - 1
+
+
+def test_extra_args_reach_the_transformation():
+  # reduce_on_plateau reads optax's `value` extra arg: the step passes the loss.
+  tx = jmp.dynamic_loss_scaling(optax.chain(
+      optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)))
+  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"))
+  losses = []
+  for _ in range(3):
+    state, metrics = step(state, make_batch())
+    losses.append(float(metrics["loss"]))
+  plateau = state.opt_state.inner_state[1]
+  assert float(plateau.best_value) == pytest.approx(min(losses), rel=1e-6)
+  # extra_args adds (or overrides) keyword arguments of tx.update.
+  seen = {}
+
+  def update(updates, opt_state, params=None, **extra):
+    seen.update(extra)
+    return updates, opt_state
+
+  spy = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  state = jmp.TrainState.create(params=make_params(), tx=optax.chain(optax.sgd(0.1), spy))
+  step = jmp.make_train_step(mlp_loss, jmp.get_policy("f32"), has_aux=False,
+                             extra_args=lambda loss, aux, batch: {"value": 2 * loss, "n": 7})
+  state, metrics = step(state, make_batch())
+  assert set(seen) == {"value", "n"} and seen["n"] == 7
+
+
+@pytest.mark.parametrize("policy", ["f32", "mixed_float16"])
+def test_complex_params_are_trained_like_plain_optax(policy):
+  def loss_fn(params, batch):
+    diff = params["z"].astype(jnp.complex64) - batch["t"]
+    return jnp.sum(jnp.real(diff * jnp.conj(diff))) + jnp.sum(params["w"] ** 2).astype(jnp.float32)
+
+  params = {"z": jnp.array([1 + 1j, -2j], jnp.complex64), "w": jnp.ones(2)}
+  batch = {"t": jnp.array([0.5 - 1j, 1 + 0j], jnp.complex64)}
+  opt = optax.sgd(0.1)
+  ref, ref_opt = params, opt.init(params)
+  for _ in range(3):
+    g = jax.grad(loss_fn)(ref, batch)
+    u, ref_opt = opt.update(g, ref_opt, ref)
+    ref = optax.apply_updates(ref, u)
+  state = jmp.TrainState.create(params=params, tx=jmp.static_loss_scaling(opt, 4.0))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy(policy))
+  for _ in range(3):
+    state, metrics = step(state, batch)
+  assert state.params["z"].dtype == jnp.complex64
+  tol = 1e-6 if policy == "f32" else 2e-3
+  np.testing.assert_allclose(state.params["z"], ref["z"], rtol=tol, atol=tol)
+  assert not np.allclose(state.params["z"], params["z"])
+  bad = {"t": batch["t"].at[0].set(complex(jnp.nan, 0))}
+  before = host(state.params)
+  state, metrics = step(state, bad)
+  assert not bool(metrics["grads_finite"])
+  assert_bitwise_equal(state.params, before)

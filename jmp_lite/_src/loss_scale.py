@@ -174,7 +174,7 @@ class NoOpLossScale:
 
 def _is_python_or_numpy(value: Any) -> bool:
   """Configuration written by a user (as opposed to arrays a pytree rebuild passes)."""
-  return isinstance(value, (bool, int, float, np.generic, np.ndarray))
+  return isinstance(value, (bool, int, float, str, bytes, np.generic, np.ndarray))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +207,7 @@ class StaticLossScale:
   loss_scale: Any
 
   def __post_init__(self):
-    if _is_python_or_numpy(self.loss_scale):
+    if not isinstance(self.loss_scale, jax.Array):  # Arrays may be traced.
       value = checks.positive_finite("loss_scale", self.loss_scale)
       object.__setattr__(self, "loss_scale", value)
 
@@ -307,8 +307,8 @@ class DynamicLossScale:
     factor = checks.real_number("factor", self.factor)
     if not (np.isfinite(factor) and factor > 1):
       raise ValueError(f"factor must be finite and > 1, got {self.factor!r}")
-    scale_dtype = getattr(self.loss_scale, "dtype", jnp.float32)
     object.__setattr__(self, "loss_scale", _float_leaf(self.loss_scale, "loss_scale", jnp.float32))
+    scale_dtype = getattr(self.loss_scale, "dtype", jnp.float32)
     object.__setattr__(self, "counter", _counter_leaf(self.counter))
     object.__setattr__(
         self, "min_loss_scale", _float_leaf(self.min_loss_scale, "min_loss_scale", scale_dtype)

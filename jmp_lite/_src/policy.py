@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Any, Callable, TypeVar, Union
 
@@ -19,7 +20,7 @@ KeepRule = Union[str, Callable[[str, Any], bool]]
 
 # Names that ``get_policy`` understands for a dtype, and the canonical short
 # name that ``str(policy)`` writes for each dtype.
-_DTYPE_NAMES = {
+DTYPE_NAMES = {
     "bf16": jnp.bfloat16,
     "bfloat16": jnp.bfloat16,
     "f16": jnp.float16,
@@ -30,7 +31,7 @@ _DTYPE_NAMES = {
     "f64": jnp.float64,
     "float64": jnp.float64,
 }
-_SHORT_NAMES = {
+SHORT_NAMES = {
     np.dtype(jnp.bfloat16): "bf16",
     np.dtype(jnp.float16): "f16",
     np.dtype(jnp.float32): "f32",
@@ -49,7 +50,7 @@ _KERAS_NAMES = {
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
 }
 _ALLOWED_DTYPES_MSG = (
-    "allowed dtype names: " + ", ".join(sorted([*_DTYPE_NAMES, "half"]))
+    "allowed dtype names: " + ", ".join(sorted([*DTYPE_NAMES, "half"]))
     + ", or a full floating dtype name such as float8_e4m3fn"
 )
 _ALLOWED_KEYS_MSG = "allowed keys: " + ", ".join(sorted(_KEYS))
@@ -71,12 +72,20 @@ def half_dtype() -> jnp.dtype:
   return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
 
 
+def _is_jax_float(d: np.dtype) -> bool:
+  """A real floating dtype that JAX has arrays of (float128 is not one)."""
+  return bool(jnp.issubdtype(d, jnp.floating)) and d.itemsize <= 8
+
+
 def normalize_dtype(dtype: DTypeLike, what: str) -> np.dtype:
+  """``dtype`` as a numpy dtype, or a ``TypeError`` naming ``what``."""
+  if dtype is None:  # jnp.dtype(None) is float64.
+    raise TypeError(f"{what} must be a floating dtype (e.g. float32, bfloat16, float16), got None")
   try:
     d = jnp.dtype(dtype)
   except TypeError as e:
     raise TypeError(f"{what} must be a floating dtype, got {dtype!r}") from e
-  if not jnp.issubdtype(d, jnp.floating):
+  if not _is_jax_float(d):
     raise TypeError(
         f"{what} must be a floating dtype (e.g. float32, bfloat16, float16), "
         f"got {dtype!r}"
@@ -195,7 +204,7 @@ class Policy:
 
   def __str__(self) -> str:
     return ",".join(
-        f"{key}={_SHORT_NAMES.get(d, d.name)}"
+        f"{key}={SHORT_NAMES.get(d, d.name)}"
         for key, d in (
             ("p", self.param_dtype),
             ("c", self.compute_dtype),
@@ -204,23 +213,35 @@ class Policy:
     )
 
 
+def _suggestion(name: str, whole: bool) -> str:
+  """``"; did you mean ...?"`` from the closest valid names, or ``""``."""
+  candidates = [*DTYPE_NAMES, "half"] + (list(_KERAS_NAMES) if whole else [])
+  close = difflib.get_close_matches(name.strip().lower(), candidates, n=3, cutoff=0.6)
+  return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
 def _parse_dtype(name: str, context: str) -> np.dtype:
   key = name.strip().lower()
   if key == "half":
     return half_dtype()
-  if key in _DTYPE_NAMES:
-    return np.dtype(_DTYPE_NAMES[key])
-  # Any other floating dtype by its full name, e.g. "float8_e4m3fn". Numpy's
-  # type codes ("f8" is float64, "e", "d") and anything its parser chokes on
-  # are not accepted.
+  if key in DTYPE_NAMES:
+    return np.dtype(DTYPE_NAMES[key])
+  # Any other floating dtype JAX supports, by its full name, e.g.
+  # "float8_e4m3fn". Numpy's type codes ("f8" is float64, "e", "d"), dtypes JAX
+  # has no arrays of (float128) and anything numpy's parser chokes on are not
+  # accepted.
   if re.fullmatch(r"[a-z][a-z0-9_]*", key):
     try:
       d = jnp.dtype(key)
     except (TypeError, ValueError, SyntaxError):
       d = None
-    if d is not None and d.name == key and jnp.issubdtype(d, jnp.floating):
+    if d is not None and d.name == key and _is_jax_float(d):
       return d
-  raise ValueError(f"unknown or non-floating dtype {name!r} in {context!r}; {_ALLOWED_DTYPES_MSG}")
+  whole = context.strip() == name.strip()
+  raise ValueError(
+      f"Unknown dtype {name!r} in policy {context!r}{_suggestion(name, whole)}; "
+      f"{_ALLOWED_DTYPES_MSG}" + (f"; {_GRAMMAR_MSG}" if whole else "")
+  )
 
 
 def get_policy(name: str) -> Policy:

@@ -30,13 +30,17 @@ class Guarded(NamedTuple):
   """What :func:`guarded_update` returns.
 
   Attributes:
-    updates: the inner updates, or ``-0.0`` everywhere on a skipped step.
+    updates: the inner updates, or ``-0.0`` everywhere on a skipped step
+      (``None`` when the update was applied inside the guard).
+    params: with ``apply=True``, the new params (the old ones, untouched, on
+      a skipped step); otherwise ``None``.
     state: the inner state, returned as it was on a skipped step.
     sumsq: sum of squares of the unscaled gradients (float32, or float64).
     finite: scalar bool; False means the step was skipped.
   """
 
-  updates: optax.Updates
+  updates: optax.Updates | None
+  params: optax.Params | None
   state: optax.OptState
   sumsq: jax.Array
   finite: jax.Array
@@ -63,20 +67,47 @@ def unscale(grads: optax.Updates, inv_scale: jax.Array | None) -> optax.Updates:
   return tree_utils.map_inexact(one, grads)
 
 
+# Gradient leaves with at most this many elements are reduced together, in one
+# pass over their concatenation; larger ones are reduced one by one. On XLA:CPU
+# each reduction is a kernel call of its own (a few microseconds), which
+# dominates for small leaves, while copying a leaf into the concatenation
+# costs about as much as reducing it.
+FUSE_MAX_ELEMENTS = 1 << 14
+
+
+def _sumsq(x: jax.Array, acc: np.dtype) -> jax.Array:
+  sq = jnp.square(jnp.abs(x)) if jnp.iscomplexobj(x) else jnp.square(x)
+  return jnp.sum(sq).astype(acc)
+
+
 def unscaled_sumsq(grads: optax.Updates, inv_scale: jax.Array | None) -> jax.Array:
   """Sum of squares (``|g|**2`` for complex) of the unscaled gradients.
 
   Accumulated in the widest real dtype among the leaves' wide dtypes (float32,
   or float64 when a leaf is float64). An empty tree gives 0.
+
+  The cost does not grow with the number of leaves: on a single device, the
+  leaves of at most :data:`FUSE_MAX_ELEMENTS` elements are concatenated (per
+  dtype) and squared and summed in one fused pass (squaring after the
+  concatenation keeps XLA from splitting it back into a reduction per leaf);
+  only large leaves get a reduction each. With several devices every leaf is
+  reduced where it lives (a concatenation would gather sharded leaves), which
+  XLA:GPU fuses horizontally.
   """
   leaves = [g for g in jax.tree.leaves(unscale(grads, inv_scale))
             if tree_utils.is_inexact_array(g)]
   wide = any(_real_dtype(g.dtype).itemsize > 4 for g in leaves)
   acc = np.dtype(jnp.float64 if wide else jnp.float32)
+  fuse = jax.device_count() == 1
+  groups: dict[np.dtype, list[jax.Array]] = {}
   total = jnp.zeros((), acc)
   for g in leaves:
-    sq = jnp.square(jnp.abs(g)) if jnp.iscomplexobj(g) else jnp.square(g)
-    total = total + jnp.sum(sq).astype(acc)
+    if fuse and g.size <= FUSE_MAX_ELEMENTS:
+      groups.setdefault(np.dtype(g.dtype), []).append(g.ravel())
+    else:
+      total = total + _sumsq(g, acc)
+  for group in groups.values():
+    total = total + _sumsq(jnp.concatenate(group), acc)
   return total
 
 
@@ -111,35 +142,55 @@ def guarded_update(
     *,
     inv_scale: jax.Array | None,
     value: Any = None,
+    apply: bool = False,
 ) -> Guarded:
   """``update_fn(unscale(grads), state, params)``, or a skip.
 
   The update runs under ``lax.cond`` on ``finite``: when it is False the
-  update does not run, the updates are ``-0.0`` and ``state`` is returned as
-  it was, so ``optax.apply_updates`` leaves the params unchanged bit for bit.
+  update does not run and ``state`` is returned as it was. With
+  ``apply=False`` the updates are ``-0.0`` on a skipped step, so
+  ``optax.apply_updates`` leaves the params unchanged bit for bit. With
+  ``apply=True`` the updates are applied inside the applied branch (XLA fuses
+  the update and the write into one pass) and a skipped step passes the params
+  through untouched.
 
   Args:
     update_fn: the inner update, called with unscaled (widened) gradients.
     grads: gradients of the scaled loss.
     state: the inner state.
-    params: passed through to ``update_fn``.
+    params: passed through to ``update_fn`` (and updated with ``apply``).
     inv_scale: ``1 / scale`` (float32), or ``None`` for no scaling.
     value: the loss, if known; a non-finite value skips the step.
+    apply: apply the updates to ``params`` inside the guard.
 
   Returns:
     A :class:`Guarded`.
   """
+  # The unscale is fused into each consumer (the reduction, the update), so
+  # the unscaled gradients are never materialised: the cond's operand is the
+  # backward pass's own output.
   sumsq = unscaled_sumsq(grads, inv_scale)
   finite = jnp.isfinite(sumsq) & is_finite_value(value)
 
-  def apply(operand):
+  def update(operand):
     g, s, p = operand
     return update_fn(unscale(g, inv_scale), s, p)
 
-  def skip(operand):
+  if apply:
+
+    def apply_branch(operand):
+      updates, s = update(operand)
+      return optax.apply_updates(operand[2], updates), s
+
+    new_params, state = jax.lax.cond(
+        finite, apply_branch, lambda operand: (operand[2], operand[1]), (grads, state, params)
+    )
+    return Guarded(None, new_params, state, sumsq, finite)
+
+  def skip_branch(operand):
     return _skip_updates(update_shapes), operand[1]
 
   operand = (grads, state, params)
-  update_shapes, _ = jax.eval_shape(apply, operand)
-  updates, state = jax.lax.cond(finite, apply, skip, operand)
-  return Guarded(updates, state, sumsq, finite)
+  update_shapes, _ = jax.eval_shape(update, operand)
+  updates, state = jax.lax.cond(finite, update, skip_branch, operand)
+  return Guarded(updates, None, state, sumsq, finite)

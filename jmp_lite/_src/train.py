@@ -42,6 +42,9 @@ _ALIASED_MSG = (
 )
 
 
+APPLY_IN_GUARD = True
+
+
 def _own_leaf(x: Any) -> Any:
   """The state's own copy of a params leaf (see :meth:`TrainState.create`)."""
   if isinstance(x, bool):
@@ -393,20 +396,23 @@ def make_train_step(
     kwargs = {"value": loss, **(extra_args(loss, aux, batch) if extra_args else {})}
     scaler = transform.scaling_update_of(state.tx)
     if scaler is not None:
-      updates, opt_state, sumsq = scaler.guarded(grads, state.opt_state, trained, **kwargs)
-      finite = opt_state.consecutive_skips == 0
+      guard, opt_state = scaler.guarded(
+          grads, state.opt_state, trained, apply=APPLY_IN_GUARD, **kwargs)
     else:
       tx = optax.with_extra_args_support(state.tx)
       guard = skip.guarded_update(
           lambda g, s, p: tx.update(g, s, p, **kwargs),
-          grads, state.opt_state, trained, inv_scale=None, value=loss,
+          grads, state.opt_state, trained, inv_scale=None, value=loss, apply=APPLY_IN_GUARD,
       )
-      updates, opt_state, sumsq, finite = guard
+      opt_state = guard.state
+    new_trained = (guard.params if APPLY_IN_GUARD
+                   else optax.apply_updates(trained, guard.updates))
     new_state = state.replace(
         step=optax.safe_increment(state.step),
-        params=tree_utils.merge_floating(optax.apply_updates(trained, updates), state.params),
+        params=tree_utils.merge_floating(new_trained, state.params),
         opt_state=opt_state,
     )
+    finite, sumsq = guard.finite, guard.sumsq
     metrics = {"loss": loss, "grads_finite": finite, "loss_scale": scale,
                "grad_norm": jnp.sqrt(sumsq)}
     if has_aux:

@@ -192,9 +192,11 @@ class ScalingUpdate:
       grads: optax.Updates,
       state: LossScaleState,
       params: optax.Params | None = None,
+      *,
+      apply: bool = False,
       **extra_args: Any,
-  ) -> tuple[optax.Updates, LossScaleState, jax.Array]:
-    """``(updates, new_state, sumsq)``: the update plus the skip's sum of squares."""
+  ) -> tuple[skip.Guarded, LossScaleState]:
+    """The guarded inner update (:func:`skip.guarded_update`) and the new state."""
     guard = skip.guarded_update(
         lambda g, s, p: self.inner.update(g, s, p, **extra_args),
         grads,
@@ -202,8 +204,9 @@ class ScalingUpdate:
         params,
         inv_scale=1.0 / state.loss_scale,
         value=extra_args.get("value"),
+        apply=apply,
     )
-    return guard.updates, next_state(self.config, state, guard.finite, guard.state), guard.sumsq
+    return guard, next_state(self.config, state, guard.finite, guard.state)
 
   def __call__(
       self,
@@ -212,8 +215,8 @@ class ScalingUpdate:
       params: optax.Params | None = None,
       **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleState]:
-    updates, state, _ = self.guarded(grads, state, params, **extra_args)
-    return updates, state
+    guard, state = self.guarded(grads, state, params, **extra_args)
+    return guard.updates, state
 
 
 def _loss_scaling(inner: Any, config: ScalingConfig) -> optax.GradientTransformationExtraArgs:
@@ -350,8 +353,14 @@ def _is_scale_state(x: Any) -> bool:
 
 def scale_state_paths(opt_state: optax.OptState) -> list[str]:
   """``"opt_state..."`` paths of every :class:`LossScaleState` inside ``opt_state``."""
-  flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_scale_state)[0]
-  return ["opt_state" + jax.tree_util.keystr(p) for p, x in flat if _is_scale_state(x)]
+  def find(prefix, tree):
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_scale_state)[0]
+    for path, x in flat:
+      if _is_scale_state(x):
+        yield prefix + jax.tree_util.keystr(path)
+        yield from find(f"{prefix}{jax.tree_util.keystr(path)}.inner_state", x.inner_state)
+
+  return list(find("opt_state", opt_state))
 
 
 def check_outermost(tx: Any, opt_state: optax.OptState) -> None:

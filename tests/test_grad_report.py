@@ -1,12 +1,10 @@
-"""gradient_report, nonfinite_paths, precision_lint and the underflow example."""
+"""gradient_report, nonfinite_paths and the underflow example."""
 
 import importlib
-import inspect
 import pathlib
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import matplotlib.image
@@ -232,88 +230,6 @@ def test_nonfinite_paths_rejects_non_bool():
     jmp.nonfinite_paths({"a": jnp.ones(2)})
 
 
-# --- precision_lint ---------------------------------------------------------
-
-
-class Classifier(nn.Module):
-  """Dense(width) -> LayerNorm -> Dense(16) -> log-softmax in the compute dtype."""
-
-  width: int
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.LayerNorm()(nn.Dense(self.width)(x)))
-    return jax.nn.log_softmax(nn.Dense(16)(x))  # SOFTMAX LINE
-
-
-def classifier_loss(width):
-  model = Classifier(width)
-
-  def loss_fn(params, batch):
-    logp = model.apply(params, batch["x"])
-    return -jnp.mean(jnp.sum(logp.astype(jnp.float32) * batch["y"], axis=-1))
-
-  params = model.init(jax.random.key(0), jnp.ones((1, 32)))
-  batch = {"x": jnp.ones((8, 32)), "y": jax.nn.one_hot(jnp.arange(8), 16)}
-  return loss_fn, params, batch
-
-
-F16 = jmp.get_policy("mixed_float16")
-BF16_FP32_NORMS = jmp.get_policy("mixed_bfloat16").with_keep_full("LayerNorm")
-SOFTMAX_LINE = f"{pathlib.Path(__file__).name}:" + str(
-    next(i for i, line in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
-         if line.endswith("# SOFTMAX LINE")))
-
-
-def test_lint_flags_f16_softmax_and_a_100_wide_dense():
-  findings = jmp.precision_lint(*classifier_loss(100), policy=F16)
-  ops = [f.op for f in findings]
-  assert "softmax/logsumexp" in ops
-  softmax = findings[ops.index("softmax/logsumexp")]
-  assert SOFTMAX_LINE in softmax.source and "float16" in softmax.reason
-  dots = [f for f in findings if f.op == "dot_general"]
-  assert [d.reason.split(" not")[0] for d in dots] == ["output features 100", "contracting size 100"]
-  assert all("Classifier.__call__" in d.source for d in dots)
-  assert "loss" not in ops  # The loss is float32.
-  assert str(softmax).startswith(softmax.source + ": softmax/logsumexp: ")
-
-
-def test_lint_bf16_with_fp32_norms():
-  # Only the tensor-core alignment rule applies to bf16: the softmax passes,
-  # and the 100-wide Dense is flagged while a 128-wide one is not.
-  # (The float32 LayerNorm's output promotes the Dense(16) after it to float32,
-  # so its contracting size of 100 is not a bf16 matmul.)
-  findings = jmp.precision_lint(*classifier_loss(100), policy=BF16_FP32_NORMS)
-  assert [f.op for f in findings] == ["dot_general"]
-  assert "output features 100 not a multiple of 8 in bfloat16" in findings[0].reason
-  assert jmp.precision_lint(*classifier_loss(128), policy=BF16_FP32_NORMS) == []
-  assert [f.op for f in jmp.precision_lint(*classifier_loss(128), policy=F16)] == [
-      "softmax/logsumexp"]
-
-
-def test_lint_f16_loss_reductions_scan_and_conv():
-  def loss_fn(params, x):
-    def body(c, xi):
-      return c + jnp.exp(xi @ params["w"]), None  # Inside scan.
-    c, _ = jax.lax.scan(body, jnp.zeros((4, 8), x.dtype), x)
-    y = jax.lax.conv_general_dilated(c[None, :, :, None], params["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return jnp.sum(y)
-
-  params = {"w": jnp.ones((8, 8)), "k": jnp.ones((3, 3, 1, 12))}
-  findings = jmp.precision_lint(loss_fn, params, jnp.ones((5, 4, 8)), policy="mixed_float16")
-  ops = [f.op for f in findings]
-  assert ops == ["exp", "conv_general_dilated", "reduce_sum", "loss"]
-  assert "output channels 12" in findings[1].reason
-  assert all(pathlib.Path(__file__).name in f.source for f in findings)
-  assert jmp.precision_lint(loss_fn, params, jnp.ones((5, 4, 8)), policy="f32") == []
-
-
-def test_lint_bad_policy():
-  with pytest.raises(TypeError, match="policy"):
-    jmp.precision_lint(lambda x: x, jnp.ones(2), policy=3)
-
-
 # --- the underflow example --------------------------------------------------
 
 
@@ -344,3 +260,63 @@ def test_underflow_example_smoke():
   assert proc.returncode == 0, proc.stderr
   assert "f16, no scaling" in proc.stdout and "f16, dynamic" in proc.stdout
   assert "digits CNN" in proc.stdout and "output features 10" in proc.stdout
+
+
+# --- issue 11: colliding paths, float8, complex, bad arguments ----------------
+
+
+def test_colliding_joined_paths_stay_separate_leaves():
+  grads = {"x": {"0": jnp.array([1.0, 2.0])}, "x/0": jnp.array([jnp.nan, 1.0])}
+  report = jmp.gradient_report(grads)
+  assert set(report.per_leaf) == {"['x']['0']", "['x/0']"}
+  assert float(report.per_leaf["['x/0']"].overflow_fraction) == 0.5
+  assert float(report.per_leaf["['x']['0']"].overflow_fraction) == 0.0
+  assert float(report.overflow_fraction) == 0.25
+  assert jmp.nonfinite_paths({"x": {"0": True}, "x/0": False}) == ["['x']['0']"]
+
+
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_float8_and_complex_leaves(promotion):
+  grads = {"f8": jnp.array([1.0, 2.0**-12], jnp.float8_e4m3fn),
+           "c": jnp.array([1 + 2j, 0j], jnp.complex64)}
+  with jax.numpy_dtype_promotion(promotion):
+    report = jmp.gradient_report(grads)
+  # f8: 2^-12 survives f16 (normal min 2^-14); complex: parts 1, 2, 0, 0.
+  assert float(report.per_leaf["f8"].underflow_fraction) == 0.0
+  assert float(report.per_leaf["c"].zero_fraction) == 0.5
+  assert float(report.max_abs) == 2.0
+
+
+@pytest.mark.parametrize("scale,exc,match", [
+    (jnp.ones(2), ValueError, r"loss_scale must be a scalar, got shape \(2,\)"),
+    (float("nan"), ValueError, r"loss_scale must be finite and > 0, got nan"),
+    (-1, ValueError, r"loss_scale must be finite and > 0, got -1"),
+    (jnp.float32(0.0), ValueError, r"loss_scale must be finite and > 0"),
+    ("8", TypeError, r"loss_scale must be a real number"),
+])
+def test_bad_loss_scale_values(scale, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp.gradient_report({"w": jnp.ones(2)}, loss_scale=scale)
+
+
+def test_summary_top_must_be_an_int():
+  report = jmp.gradient_report({"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match=r"top must be an int >= 1, got '3'"):
+    report.summary(top="3")
+  with pytest.raises(ValueError, match=r"top must be an int >= 1, got 0"):
+    report.summary(top=0)
+
+
+def test_nonfinite_paths_names_the_leaves_of_an_overflowing_norm():
+  # Every leaf is finite, and so is each leaf's own sum of squares (2.25e38), but
+  # their total overflows float32: the step is skipped, and the report names
+  # the leaves that made it overflow.
+  def loss_fn(params, batch):
+    return jnp.sum(params["a"] * batch["x"]) + jnp.sum(params["b"] * batch["x"]) + params["c"][0]
+
+  params = {"a": jnp.zeros(1), "b": jnp.zeros(1), "c": jnp.zeros(1)}
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(1.0))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"), track_nonfinite=True)
+  state, metrics = step(state, {"x": jnp.full(1, 1.5e19)})
+  assert not bool(metrics["grads_finite"])
+  assert jmp.nonfinite_paths(metrics["nonfinite"]) == ["a", "b"]
