@@ -110,3 +110,54 @@ def test_same_step_on_one_device_data_mesh_and_2d_mesh():
   )
   assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
   assert proc.stdout.strip().endswith("ok"), proc.stdout
+
+
+LOOP_CHILD = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jmp_lite as jmp
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.device_put(jax.random.normal(k1, (8, 32)) * 0.3, NamedSharding(mesh, P(None, "model"))),
+        "b1": jax.device_put(jnp.zeros(32), NamedSharding(mesh, P("model"))),
+        "w2": jax.device_put(jax.random.normal(k2, (32, 1)) * 0.3, NamedSharding(mesh, P("model", None))),
+    }
+
+    def loss_fn(p, b):
+      h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+      return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    x = jax.random.normal(k3, (64, 8))
+    batch = jax.device_put({"x": x, "y": jnp.sin(x[:, :1])}, NamedSharding(mesh, P("data")))
+    for tx in (optax.adam(1e-2), jmp.dynamic_loss_scaling(optax.adam(1e-2))):
+      state = jmp.TrainState.create(params=params, tx=tx)
+      step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
+      first = None
+      for _ in range(300):  # No blocking in the loop, as users write it.
+        state, metrics = step(state, batch)
+        first = float(metrics["loss"]) if first is None else first
+      assert float(metrics["loss"]) < 0.1 * first, (first, float(metrics["loss"]))
+    print("ok")
+    """
+)
+
+
+def test_a_long_unblocked_loop_on_a_cpu_mesh_does_not_hang():
+  # XLA:CPU aborts ("Termination timeout ... 40 seconds" in an all-reduce
+  # rendezvous) when many sharded steps are in flight on a small machine,
+  # with plain optax too; the step waits for each call on a multi-device CPU.
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, "-c", LOOP_CHILD], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+  assert proc.stdout.strip().endswith("ok"), proc.stdout

@@ -212,6 +212,7 @@ class _TrainStep:
     self._jitted = jitted
     self._donate = donate
     self._structures: tuple[Any, Any] | None = None
+    self._block = False
     self.__wrapped__ = jitted
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -235,12 +236,32 @@ class _TrainStep:
       raise ValueError(problem) from e
     if self._structures is None:
       self._structures = structures
+      self._block = _multi_device_cpu((state, batch))
+    if self._block:
+      jax.block_until_ready(out)
     return out
 
   def __getattr__(self, name: str) -> Any:
     if name.startswith("__") or name == "_jitted":
       raise AttributeError(name)
     return getattr(self._jitted, name)
+
+
+def _multi_device_cpu(tree: Any) -> bool:
+  """Whether any array of ``tree`` is spread over several CPU devices.
+
+  XLA:CPU runs every device of a step on one shared thread pool; with many
+  steps in flight, their collectives' rendezvous can wait on each other until
+  XLA aborts the process ("Termination timeout ... 40 seconds"), with or
+  without jmp_lite. Such a step waits for each call to finish, which costs
+  little on a CPU and never hangs.
+  """
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, "sharding", None)
+    devices = getattr(sharding, "device_set", ())
+    if len(devices) > 1 and next(iter(devices)).platform == "cpu":
+      return True
+  return False
 
 
 def _nonfinite_leaves(grads: optax.Updates, inv_scale: jax.Array) -> Any:
