@@ -50,21 +50,31 @@ def _real_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(jnp.finfo(dtype).dtype)
 
 
-def unscale(grads: optax.Updates, inv_scale: jax.Array | None) -> optax.Updates:
-  """Floating and complex leaves widened (:func:`tree_utils.wide_dtype`) and times ``inv_scale``.
+def unscale(
+    grads: optax.Updates, inv_scale: jax.Array | None, params: optax.Params | None = None
+) -> optax.Updates:
+  """Floating and complex leaves widened and times ``inv_scale``.
 
-  ``inv_scale=None`` only widens. ``1 / scale`` is computed in each leaf's
-  wide dtype, so float64 gradients are unscaled in float64.
+  Each gradient is widened to :func:`tree_utils.wide_dtype` (float32 at
+  least), and to its param's dtype when that is wider: float16 gradients of
+  float64 masters are unscaled in float64. ``inv_scale=None`` only widens.
+  ``1 / scale`` is cast to each leaf's dtype.
   """
 
-  def one(g):
+  def one(g, p=None):
+    if not tree_utils.is_inexact_array(g):
+      return g
     wide = tree_utils.wide_dtype(g.dtype)
+    if tree_utils.is_inexact_array(p) and tree_utils.wide_dtype(p.dtype).itemsize > wide.itemsize:
+      wide = tree_utils.wide_dtype(p.dtype)
     g = g.astype(wide)
     if inv_scale is None:
       return g
     return g * inv_scale.astype(_real_dtype(wide)).astype(wide)
 
-  return tree_utils.map_inexact(one, grads)
+  if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
+    return jax.tree.map(one, grads, params)
+  return jax.tree.map(one, grads)
 
 
 # Gradient leaves with at most this many elements are reduced together, in one
@@ -80,7 +90,9 @@ def _sumsq(x: jax.Array, acc: np.dtype) -> jax.Array:
   return jnp.sum(sq).astype(acc)
 
 
-def unscaled_sumsq(grads: optax.Updates, inv_scale: jax.Array | None) -> jax.Array:
+def unscaled_sumsq(
+    grads: optax.Updates, inv_scale: jax.Array | None, params: optax.Params | None = None
+) -> jax.Array:
   """Sum of squares (``|g|**2`` for complex) of the unscaled gradients.
 
   Accumulated in the widest real dtype among the leaves' wide dtypes (float32,
@@ -94,7 +106,7 @@ def unscaled_sumsq(grads: optax.Updates, inv_scale: jax.Array | None) -> jax.Arr
   reduced where it lives (a concatenation would gather sharded leaves), which
   XLA:GPU fuses horizontally.
   """
-  leaves = [g for g in jax.tree.leaves(unscale(grads, inv_scale))
+  leaves = [g for g in jax.tree.leaves(unscale(grads, inv_scale, params))
             if tree_utils.is_inexact_array(g)]
   wide = any(_real_dtype(g.dtype).itemsize > 4 for g in leaves)
   acc = np.dtype(jnp.float64 if wide else jnp.float32)
@@ -169,12 +181,12 @@ def guarded_update(
   # The unscale is fused into each consumer (the reduction, the update), so
   # the unscaled gradients are never materialised: the cond's operand is the
   # backward pass's own output.
-  sumsq = unscaled_sumsq(grads, inv_scale)
+  sumsq = unscaled_sumsq(grads, inv_scale, params)
   finite = jnp.isfinite(sumsq) & is_finite_value(value)
 
   def update(operand):
     g, s, p = operand
-    return update_fn(unscale(g, inv_scale), s, p)
+    return update_fn(unscale(g, inv_scale, p), s, p)
 
   if apply:
 

@@ -264,14 +264,14 @@ def _multi_device_cpu(tree: Any) -> bool:
   return False
 
 
-def _nonfinite_leaves(grads: optax.Updates, inv_scale: jax.Array) -> Any:
+def _nonfinite_leaves(grads: optax.Updates, inv_scale: jax.Array, masters: optax.Params) -> Any:
   """Per leaf: True if its gradient has an inf/NaN or its squared norm overflows.
 
   When no single leaf is non-finite but the global sum of squares overflows,
   the leaves whose squared norm exceeds ``float32 max / number of leaves``
   (at least one must) are marked: they are the largest contributions.
   """
-  sums = jax.tree.map(lambda g: skip.unscaled_sumsq(g, inv_scale), grads)
+  sums = jax.tree.map(lambda g, p: skip.unscaled_sumsq(g, inv_scale, p), grads, masters)
   leaves = jax.tree.leaves(sums)
   if not leaves:
     return jax.tree.map(lambda _: jnp.zeros((), bool), sums)
@@ -406,14 +406,19 @@ def make_train_step(
     if cast_batch:
       batch = batch_policy.cast_to_compute(batch)
     trained = _trained_part(state.params)
+    compute_params = policy.cast_to_compute(state.params)
 
-    def scaled_loss(trained):
-      params = tree_utils.merge_floating(trained, state.params)
-      loss, aux = _split_aux(loss_fn(policy.cast_to_compute(params), batch), has_aux)
+    def scaled_loss(trained_c):
+      params = tree_utils.merge_floating(trained_c, compute_params)
+      loss, aux = _split_aux(loss_fn(params, batch), has_aux)
       loss = _check_loss(loss, has_aux).astype(jnp.float32)
       return loss * scale, (loss, aux)
 
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(trained)
+    # Gradients with respect to the compute-dtype copy are the same values as
+    # with respect to the masters (the cast's transpose is an exact widening),
+    # but half the bytes to hold until the skip is decided; the guard widens
+    # them to the masters' dtype as it unscales.
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(_trained_part(compute_params))
     kwargs = {"value": loss, **(extra_args(loss, aux, batch) if extra_args else {})}
     scaler = transform.scaling_update_of(state.tx)
     if scaler is not None:
@@ -441,7 +446,7 @@ def make_train_step(
     if track_nonfinite:
       metrics["nonfinite"] = jax.tree.map(
           lambda g: jnp.zeros((), bool) if g is None else g,
-          _nonfinite_leaves(grads, 1.0 / scale),
+          _nonfinite_leaves(grads, 1.0 / scale, trained),
           is_leaf=lambda x: x is None,
       )
     return new_state, metrics

@@ -1,0 +1,108 @@
+"""The skip (jmp_lite/_src/skip.py): one decision, one fused reduction, exact pass-through."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jmp
+from jmp_lite._src import skip
+
+
+def _leaf_params(n, size=16):
+  return {f"l{i:03d}": jax.random.normal(jax.random.key(i), (size,)) * 0.1 for i in range(n)}
+
+
+def _leaf_loss(params, batch):
+  return sum(jnp.mean(jnp.tanh(p * batch["x"])) for p in params.values()).astype(jnp.float32)
+
+
+def _no_scaling_step(tx):
+  """The hand-written f16 step without loss scaling or a skip: the baseline."""
+
+  def step(state, batch):
+    params, opt_state = state
+    x = batch["x"].astype(jnp.float16)
+    loss, grads = jax.value_and_grad(
+        lambda p: _leaf_loss(jax.tree.map(lambda v: v.astype(jnp.float16), p), {"x": x}))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def _reductions(hlo_text):
+  return len(re.findall(r" reduce\(", hlo_text))
+
+
+@pytest.mark.parametrize("leaves", [8, 32])
+def test_compiled_step_has_one_reduction_for_the_skip_whatever_the_leaf_count(leaves):
+  # Issue 13: the decision used to cost one reduction (and one -0.0 broadcast
+  # for the skipped updates) per leaf. Now it is one reduction over all small
+  # leaves, and a skipped step passes params and state through untouched.
+  params, batch, tx = _leaf_params(leaves), {"x": jnp.linspace(-1, 1, 16)}, optax.adam(1e-3)
+  base = _no_scaling_step(tx).lower((params, tx.init(params)), batch).compile().as_text()
+  state = jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(tx))
+  step = jmp.make_train_step(_leaf_loss, jmp.get_policy("mixed_float16"))
+  ours = step.lower(state, batch).compile().as_text()
+  assert _reductions(base) == leaves  # The loss's own means.
+  assert _reductions(ours) == _reductions(base) + 1
+  assert "constant(-0)" not in ours
+
+
+def test_fused_and_per_leaf_sums_agree():
+  small = {"a": jnp.arange(5.0), "b": jnp.full((3, 4), -2.0, jnp.bfloat16)}
+  large = {"c": jnp.ones(skip.FUSE_MAX_ELEMENTS + 1, jnp.float16)}
+  grads = {**small, **large}
+  inv = jnp.float32(0.5)
+  expected = sum(float(jnp.sum(jnp.square(g.astype(jnp.float32) * 0.5)))
+                 for g in jax.tree.leaves(grads))
+  for fn in (skip.unscaled_sumsq, jax.jit(skip.unscaled_sumsq)):
+    total = fn(grads, inv)
+    assert total.dtype == jnp.float32
+    assert float(total) == pytest.approx(expected, rel=1e-6)
+  assert float(skip.unscaled_sumsq({}, inv)) == 0.0
+
+
+def test_sums_widen_to_float64_params():
+  with jax.enable_x64(True):
+    grads = {"w": jnp.array([3e-30], jnp.float32)}
+    params = {"w": jnp.zeros(1, jnp.float64)}
+    # 9e-60 underflows float32 but not float64.
+    assert float(skip.unscaled_sumsq(grads, None)) == 0.0
+    total = skip.unscaled_sumsq(grads, None, params)
+    assert total.dtype == jnp.float64 and float(total) == pytest.approx(9e-60)
+    assert skip.unscale(grads, jnp.float32(2.0), params)["w"].dtype == jnp.float64
+
+
+@pytest.mark.parametrize("apply", [False, True])
+@pytest.mark.parametrize("bad", [None, "grad", "value"])
+def test_guarded_update_applies_or_passes_through(apply, bad):
+  params = {"w": jnp.array([1.0, -0.0, 2.0])}
+  tx = optax.adam(0.1)
+  state = tx.init(params)
+  grads = {"w": jnp.array([4.0, 8.0, -4.0], jnp.float16)}
+  value = jnp.float32(1.0)
+  if bad == "grad":
+    grads = {"w": grads["w"].at[1].set(jnp.inf)}
+  elif bad == "value":
+    value = jnp.float32(jnp.nan)
+  guard = jax.jit(lambda g, s, p, v: skip.guarded_update(
+      tx.update, g, s, p, inv_scale=jnp.float32(0.25), value=v, apply=apply))(
+          grads, state, params, value)
+  new_params = guard.params if apply else optax.apply_updates(params, guard.updates)
+  assert bool(guard.finite) is (bad is None)
+  if bad is None:
+    updates, _ = tx.update({"w": grads["w"].astype(jnp.float32) * 0.25}, state, params)
+    # Compiled as another program, XLA may fuse differently: the last bit may differ.
+    np.testing.assert_allclose(new_params["w"], optax.apply_updates(params, updates)["w"],
+                               rtol=1e-6)
+    assert float(guard.sumsq) == pytest.approx(1.0 + 4.0 + 1.0)
+  else:
+    # Bit for bit: -0.0 stays -0.0, and Adam's state does not move.
+    assert np.asarray(new_params["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+    for a, b in zip(jax.tree.leaves(guard.state), jax.tree.leaves(state)):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
