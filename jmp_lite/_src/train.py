@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite._src import checks
@@ -199,21 +200,103 @@ def _donation_problem(state: TrainState, batch: Any) -> str | None:
   return None
 
 
+def _is_dynamic(x: Any) -> bool:
+  """Leaves ``jax.jit`` traces: arrays and Python numbers. Others are static."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+  """A non-array leaf (an Equinox activation, a string), compared by value if hashable."""
+
+  value: Any
+
+  def _key(self) -> Any:
+    try:
+      hash(self.value)
+    except TypeError:
+      return ("id", id(self.value))
+    return ("value", type(self.value), self.value)
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Static) and self._key() == other._key()
+
+
+def _partition(tree: Any) -> tuple[list[Any], tuple[Any, tuple[Any, ...]]]:
+  """``(dynamic leaves with None holes, (treedef, static leaves))``, like ``eqx.partition``."""
+  leaves, treedef = jax.tree.flatten(tree)
+  dynamic = [x if _is_dynamic(x) else None for x in leaves]
+  static = tuple(None if _is_dynamic(x) else _Static(x) for x in leaves)
+  return dynamic, (treedef, static)
+
+
+def _combine(dynamic: list[Any], spec: tuple[Any, tuple[Any, ...]]) -> Any:
+  treedef, static = spec
+  return treedef.unflatten([d if s is None else s.value for d, s in zip(dynamic, static)])
+
+
+class _FilteredJit:
+  """``jax.jit`` for trees with non-array leaves, which become static (like ``eqx.filter_jit``).
+
+  The static leaves are part of the compilation key and come back as the
+  very same objects; only the arrays are traced. The first argument's arrays
+  are donated if ``donate``.
+  """
+
+  def __init__(self, fn: Callable[..., Any], donate: bool):
+    self._out_specs: dict[Any, Any] = {}
+
+    def inner(first: list[Any], rest: list[Any], spec: Any) -> list[Any]:
+      args = _combine(first, spec[0]), _combine(rest, spec[1])
+      out_dynamic, self._out_specs[spec] = _partition(fn(*args))
+      return out_dynamic
+
+    self._jitted = jax.jit(inner, static_argnums=2, donate_argnums=(0,) if donate else ())
+
+  def _split(self, first: Any, rest: Any) -> tuple[list[Any], list[Any], Any]:
+    (first, first_spec), (rest, rest_spec) = _partition(first), _partition(rest)
+    return first, rest, (first_spec, rest_spec)
+
+  def __call__(self, first: Any, rest: Any) -> Any:
+    first, rest, spec = self._split(first, rest)
+    return _combine(self._jitted(first, rest, spec), self._out_specs[spec])
+
+  def lower(self, first: Any, rest: Any) -> Any:
+    return self._jitted.lower(*self._split(first, rest))
+
+
 class _TrainStep:
   """The jitted step plus the checks that need Python: tree structures, donation.
 
   The structure check compares tree structures on the Python side (cheap)
   before the call. Deleted or aliased input arrays are diagnosed only when the
-  call fails, so they cost nothing otherwise. Attribute access (``lower``,
-  ``trace``, ``eval_shape``, ...) goes to the underlying ``jax.jit`` object.
+  call fails, so they cost nothing otherwise. A state or batch with non-array
+  leaves (an Equinox module's activation functions) goes through a filtered
+  jit that keeps them static; otherwise the plain ``jax.jit`` runs, with no
+  Python work per leaf. Attribute access (``trace``, ``eval_shape``, ...)
+  goes to the underlying ``jax.jit`` object.
   """
 
-  def __init__(self, jitted: Callable[..., Any], donate: bool):
-    self._jitted = jitted
+  def __init__(self, step: Callable[..., Any], donate: bool):
+    self._jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+    self._filtered = _FilteredJit(step, donate)
     self._donate = donate
     self._structures: tuple[Any, Any] | None = None
+    self._has_static: bool | None = None
     self._block = False
-    self.__wrapped__ = jitted
+    self.__wrapped__ = self._jitted
+
+  def _target(self, state: Any, batch: Any) -> Any:
+    if self._has_static is None:
+      self._has_static = not all(_is_dynamic(x) for x in jax.tree.leaves((state, batch)))
+    return self._filtered if self._has_static else self._jitted
+
+  def lower(self, state: TrainState, batch: Any) -> Any:
+    """``jax.jit(...).lower`` for these arguments (static leaves included)."""
+    return self._target(state, batch).lower(state, batch)
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     if not isinstance(state, TrainState):
@@ -228,7 +311,7 @@ class _TrainStep:
               _STRUCTURE_MSG.format(what=what, expected=expected, received=received)
           )
     try:
-      out = self._jitted(state, batch)
+      out = self._target(state, batch)(state, batch)
     except (RuntimeError, ValueError) as e:
       problem = _donation_problem(state, batch) if self._donate else None
       if problem is None:
@@ -242,7 +325,7 @@ class _TrainStep:
     return out
 
   def __getattr__(self, name: str) -> Any:
-    if name.startswith("__") or name == "_jitted":
+    if name.startswith("__") or name in ("_jitted", "_filtered"):
       raise AttributeError(name)
     return getattr(self._jitted, name)
 
@@ -451,4 +534,4 @@ def make_train_step(
       )
     return new_state, metrics
 
-  return _TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()), donate)
+  return _TrainStep(step, donate)

@@ -1,0 +1,105 @@
+"""Whole Equinox modules as params: non-array leaves are static, arrays are trained (issue 15)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jmp
+
+POLICIES = {
+    "f16_dynamic": (jmp.get_policy("mixed_float16"),
+                    lambda: jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**10)),
+    "bf16": (jmp.get_policy("mixed_bfloat16"), lambda: optax.adam(1e-2)),
+}
+
+
+class ConvNet(eqx.Module):
+  """A small Conv2d model: conv, relu, global mean, linear head."""
+
+  conv: eqx.nn.Conv2d
+  head: eqx.nn.Linear
+  activation: callable = eqx.field(static=False)
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.conv = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
+    self.head = eqx.nn.Linear(8, 1, key=k2)
+    self.activation = jax.nn.relu  # A non-array leaf, as in eqx.nn.MLP.
+
+  def __call__(self, x):
+    h = self.activation(self.conv(x))
+    return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+def _mlp_problem():
+  model = eqx.nn.MLP(4, 1, 32, 2, key=jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (64, 4))
+  return model, {"x": x, "y": jnp.sin(x[:, :1]) + 0.5 * x[:, 1:2]}
+
+
+def _conv_problem():
+  model = ConvNet(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (32, 1, 6, 6))
+  return model, {"x": x, "y": jnp.mean(x, axis=(1, 2, 3))[:, None] * 3.0}
+
+
+def _loss_fn(seen):
+  def loss_fn(model, batch):
+    seen.append(jax.tree.map(lambda a: a.dtype, eqx.filter(model, eqx.is_array)))
+    pred = jax.vmap(model)(batch["x"]).astype(jnp.float32)
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+  return loss_fn
+
+
+@pytest.mark.parametrize("problem", [_mlp_problem, _conv_problem], ids=["MLP", "Conv2d"])
+@pytest.mark.parametrize("mode", list(POLICIES))
+def test_whole_equinox_modules_train(problem, mode):
+  policy, make_tx = POLICIES[mode]
+  model, batch = problem()
+  static_before = [x for x in jax.tree.leaves(model) if not eqx.is_array(x)]
+  assert static_before  # The module does hold non-array leaves.
+  seen = []
+  state = jmp.TrainState.create(params=model, tx=make_tx())
+  step = jmp.make_train_step(_loss_fn(seen), policy)
+  state, first = step(state, batch)
+  for _ in range(60):
+    state, metrics = step(state, batch)
+  assert len(seen) == 1  # One compilation.
+  assert all(d == policy.compute_dtype for d in jax.tree.leaves(seen[0]))
+  assert type(state.params) is type(model)
+  static_after = [x for x in jax.tree.leaves(state.params) if not eqx.is_array(x)]
+  assert all(a is b for a, b in zip(static_after, static_before, strict=True))
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(eqx.filter(state.params, eqx.is_array)))
+  assert float(metrics["loss"]) < 0.5 * float(first["loss"])
+  # The caller's module survives donation.
+  assert not any(a.is_deleted() for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def test_equinox_skip_is_exact_and_lower_works():
+  model, batch = _mlp_problem()
+  policy, make_tx = POLICIES["f16_dynamic"]
+  state = jmp.TrainState.create(params=model, tx=make_tx())
+  step = jmp.make_train_step(_loss_fn([]), policy, donate=False)
+  state, _ = step(state, batch)
+  bad = dict(batch, x=batch["x"].at[0, 0].set(jnp.nan))
+  new, metrics = step(state, bad)
+  assert not bool(metrics["grads_finite"])
+  for part in (lambda s: s.params, lambda s: s.opt_state.inner_state):
+    old_leaves = jax.tree.leaves(eqx.filter(part(state), eqx.is_array))
+    new_leaves = jax.tree.leaves(eqx.filter(part(new), eqx.is_array))
+    assert len(old_leaves) == len(new_leaves) > 0
+    for a, b in zip(new_leaves, old_leaves):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  compiled = step.lower(state, batch).compile()
+  assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_policy_casts_equinox_modules_leafwise():
+  model, _ = _mlp_problem()
+  cast = jmp.get_policy("mixed_bfloat16").cast_to_compute(model)
+  assert type(cast) is type(model) and cast.activation is model.activation
+  assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(eqx.filter(cast, eqx.is_array)))
