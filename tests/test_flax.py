@@ -184,3 +184,84 @@ def test_nnx_split_step_merge_with_rng_and_int_leaves(digits):
   logits = eval_logits(trained, digits["x"])
   assert logits.dtype == jnp.float32
   assert float(xent(logits, digits["y"])) < 0.5 * losses[0]
+
+
+# ------------------------------------------------- model state without boilerplate (issue 15)
+
+
+def test_linen_batch_stats_as_model_state(digits):
+  policy = jmp.get_policy("mixed_float16").with_keep_full("LayerNorm|BatchNorm")
+  model = LinenNet()
+  variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0), digits["x"][:2])
+  seen = {}
+
+  def loss_fn(params, model_state, batch):
+    seen["stats"] = jax.tree.map(lambda a: a.dtype, model_state)
+    logits, updates = model.apply({"params": params, **model_state}, batch["x"], train=True,
+                                  mutable=list(model_state))
+    return xent(logits, batch["y"]), updates
+
+  tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**10)
+  state = jmp.TrainState.create(params=variables["params"], tx=tx,
+                                model_state={"batch_stats": variables["batch_stats"]})
+  # No optimizer state for the statistics.
+  assert "batch_stats" not in str(jax.tree_util.tree_flatten_with_path(state.opt_state)[0])
+  step = jmp.make_train_step(loss_fn, policy)
+
+  @jax.jit
+  def eval_loss(state):
+    return xent(model.apply({"params": state.params, **state.model_state}, digits["x"],
+                            train=False), digits["y"])
+
+  initial = float(eval_loss(state))
+  stats0 = jax.device_get(state.model_state)
+  for _ in range(25):
+    state, metrics = step(state, digits)
+  assert all(d == jnp.float32 for d in jax.tree.leaves(seen["stats"]))  # Keep rule.
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(state.model_state))
+  assert not np.allclose(state.model_state["batch_stats"]["BatchNorm_0"]["mean"],
+                         stats0["batch_stats"]["BatchNorm_0"]["mean"])
+  assert float(eval_loss(state)) < 0.5 * initial
+  before = jax.device_get((state.params, state.model_state))
+  state, metrics = step(state, dict(digits, x=digits["x"].at[0, 5].set(jnp.nan)))
+  assert not bool(metrics["grads_finite"])
+  after = jax.device_get((state.params, state.model_state))
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_nnx_non_param_state_as_model_state(digits):
+  model = NnxNet(nnx.Rngs(params=0, dropout=1))
+  model.train()
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  policy = jmp.get_policy("mixed_bfloat16").with_keep_full("norm")
+
+  def loss_fn(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    loss = xent(model(batch["x"]), batch["y"])
+    return loss, (nnx.state(model, nnx.Not(nnx.Param)), model.calls[...])
+
+  state = jmp.TrainState.create(params=params, tx=optax.adam(1e-2), model_state=rest)
+  step = jmp.make_train_step(loss_fn, policy, has_aux=True)
+  losses = []
+  for _ in range(20):
+    state, metrics = step(state, digits)
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < 0.5 * losses[0], losses
+  assert int(metrics["aux"]) == 20  # aux next to the model state.
+  trained = nnx.merge(graphdef, state.params, state.model_state)
+  assert int(trained.calls[...]) == 20 and int(trained.dropout.rngs.count[...]) == 20
+
+
+def test_model_state_errors(digits):
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                                model_state={"m": jnp.zeros(2)})
+  policy = jmp.get_policy("f32")
+  step = jmp.make_train_step(lambda p, m, b: jnp.sum(p["w"]), policy)
+  with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\)"):
+    step(state, {})
+  step = jmp.make_train_step(lambda p, m, b: (jnp.sum(p["w"]), {"other": m["m"]}), policy)
+  with pytest.raises(TypeError, match=r"model state of another structure"):
+    step(state, {})
+  with pytest.raises(TypeError, match=r"axis_name must be a string"):
+    jmp.make_train_step(lambda p, b: 0.0, policy, axis_name=3)

@@ -161,3 +161,79 @@ def test_a_long_unblocked_loop_on_a_cpu_mesh_does_not_hang():
   )
   assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
   assert proc.stdout.strip().endswith("ok"), proc.stdout
+
+
+BATCHNORM_CHILD = textwrap.dedent(
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jmp_lite as jmp
+
+    class ResNetBlock(nn.Module):  # As in Flax's ImageNet example: BatchNorm with axis_name.
+      @nn.compact
+      def __call__(self, x, train):
+        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                                    axis_name="batch")
+        y = nn.relu(norm()(nn.Conv(8, (3, 3))(x)).astype(x.dtype))
+        y = norm()(nn.Conv(8, (3, 3))(y)).astype(x.dtype)
+        return nn.Dense(4)(jnp.mean(nn.relu(nn.Conv(8, (1, 1))(x) + y), axis=(1, 2)))
+
+    model = ResNetBlock()
+    x = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
+    batch = {"x": x, "y": jnp.argmax(jnp.mean(x, axis=(1, 2)) @ jnp.ones((3, 4)) * jnp.arange(4), -1)}
+    variables = jax.vmap(lambda v: model.init(jax.random.key(1), v, train=False),
+                         axis_name="batch")(x[:1][None])
+    variables = jax.tree.map(lambda v: v[0], variables)
+
+    def loss_fn(params, model_state, batch):
+      logits, updates = model.apply({"params": params, **model_state}, batch["x"], train=True,
+                                    mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), batch["y"]).mean()
+      return loss, updates
+
+    policy = jmp.get_policy("mixed_float16").with_keep_full("BatchNorm")
+    def run(batch):
+      state = jmp.TrainState.create(
+          params=variables["params"], model_state={"batch_stats": variables["batch_stats"]},
+          tx=jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**10))
+      step = jmp.make_train_step(loss_fn, policy, axis_name="batch")
+      for _ in range(5):
+        state, metrics = step(state, batch)
+      return jax.device_get(state)
+
+    single = run(batch)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    sharded = run(jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    for a, b in zip(jax.tree.leaves(sharded.model_state), jax.tree.leaves(single.model_state)):
+      np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+    for a, b in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(single.params)):
+      np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
+    assert not np.allclose(sharded.model_state["batch_stats"]["BatchNorm_0"]["mean"], 0.0)
+    try:  # Without axis_name the pmap-style model cannot run under jit.
+      jmp.make_train_step(loss_fn, policy)(
+          jmp.TrainState.create(params=variables["params"], tx=optax.adam(1e-2),
+                                model_state={"batch_stats": variables["batch_stats"]}), batch)
+    except NameError as e:
+      assert "batch" in str(e)
+    else:
+      raise AssertionError("expected an unbound axis name")
+    print("ok")
+    """
+)
+
+
+def test_batchnorm_with_axis_name_on_a_data_parallel_mesh():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, "-c", BATCHNORM_CHILD], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+  assert proc.stdout.strip().endswith("ok"), proc.stdout

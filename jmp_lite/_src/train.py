@@ -18,6 +18,11 @@ from jmp_lite._src import tree_utils
 
 _LOSS_MSG = "loss_fn must return a float scalar loss{aux}; got {what}"
 _AUX_MSG = "loss_fn was declared with has_aux=True and must return a (loss, aux) pair; got {what}"
+_STATE_MSG = (
+    "state.model_state is set, so loss_fn(params, model_state, batch) must return "
+    "(loss, new_model_state), or (loss, (new_model_state, aux)) with has_aux=True; "
+    "{what} was {got}"
+)
 _NO_AUX_HINT = (
     "; it returned a pair: if the second element is auxiliary output, build the "
     "step with has_aux=True"
@@ -84,15 +89,26 @@ class TrainState:
     opt_state: ``tx``'s state over the floating leaves of ``params``
       (non-floating leaves are ``None`` holes).
     tx: the optax transformation.
+    model_state: non-trainable model state (Flax ``batch_stats``, NNX RNG
+      counts and other non-param variables), or ``None``. The step passes it
+      to ``loss_fn`` and stores what ``loss_fn`` returns for it, except on a
+      skipped step; it is never differentiated and has no optimizer state.
   """
 
   step: jax.Array
   params: optax.Params
   opt_state: optax.OptState
   tx: optax.GradientTransformation = dataclasses.field(metadata=dict(static=True))
+  model_state: Any = None
 
   @classmethod
-  def create(cls, *, params: optax.Params, tx: optax.GradientTransformation) -> "TrainState":
+  def create(
+      cls,
+      *,
+      params: optax.Params,
+      tx: optax.GradientTransformation,
+      model_state: Any = None,
+  ) -> "TrainState":
     """A fresh state: step 0, master params and ``tx.init`` over them.
 
     The state owns its buffers: every array leaf is copied once, so a donating
@@ -109,6 +125,8 @@ class TrainState:
       tx: an optax transformation, usually wrapped in
         :func:`dynamic_loss_scaling` or :func:`static_loss_scaling`
         (outermost).
+      model_state: optional non-trainable state (see the class docstring),
+        owned and normalised like ``params`` (floating leaves in float32).
 
     Returns:
       A ``TrainState`` with ``step`` 0 (int32).
@@ -130,7 +148,8 @@ class TrainState:
     params = jax.tree.map(_own_leaf, params)
     opt_state = tx.init(_trained_part(params))
     transform.check_outermost(tx, opt_state)
-    return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx)
+    return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx,
+               model_state=jax.tree.map(_own_leaf, model_state))
 
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
@@ -166,18 +185,52 @@ def _check_master_params(params: optax.Params) -> None:
       )
 
 
-def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+def _split_aux(
+    out: Any, has_aux: bool, with_state: bool = False, what: str = "it"
+) -> tuple[Any, Any]:
+  """``out`` as a pair, with a message that says which pair was expected."""
   if not has_aux:
     return out, None
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
     if hasattr(out, "shape") and hasattr(out, "dtype"):
-      what = f"an array of shape {out.shape} dtype {out.dtype}"
+      got = f"an array of shape {out.shape} dtype {out.dtype}"
     elif isinstance(out, (tuple, list)):
-      what = f"a {type(out).__name__} of length {len(out)}"
+      got = f"a {type(out).__name__} of length {len(out)}"
     else:
-      what = repr(type(out))
-    raise TypeError(_AUX_MSG.format(what=what))
+      got = repr(type(out))
+    if with_state:
+      raise TypeError(_STATE_MSG.format(what=what, got=got))
+    raise TypeError(_AUX_MSG.format(what=got))
   return out[0], out[1]
+
+
+def _stored_like(new: Any, old: Any) -> Any:
+  """``loss_fn``'s new model state in the stored dtypes; its structure must not change."""
+  if jax.tree.structure(new) != jax.tree.structure(old):
+    raise TypeError(
+        "loss_fn returned a model state of another structure than state.model_state:\n"
+        f"  expected: {jax.tree.structure(old)}\n  received: {jax.tree.structure(new)}"
+    )
+  return jax.tree.map(
+      lambda n, o: jnp.asarray(n).astype(o.dtype) if tree_utils.is_inexact_array(o) else n,
+      new, old)
+
+
+def _bind_axis_name(fn: Callable[..., Any], axis_name: str) -> Callable[..., Any]:
+  """``fn`` with ``axis_name`` bound over the whole (global) batch.
+
+  Collectives over ``axis_name`` inside the model (``BatchNorm(axis_name=...)``'s
+  ``pmean`` of its statistics, which are already means over the global batch
+  under ``jit``) run over a single member and are the identity, so a
+  data-parallel ``pmap``-style model runs unchanged on a sharded ``jit`` step.
+  """
+
+  def bound(params, model_state, batch):
+    expanded = jax.tree.map(lambda x: jnp.asarray(x)[None], batch)
+    out = jax.vmap(lambda b: fn(params, model_state, b), axis_name=axis_name)(expanded)
+    return jax.tree.map(lambda x: x[0], out)
+
+  return bound
 
 
 def _named_leaves(prefix: str, tree: Any) -> list[tuple[str, Any]]:
@@ -374,6 +427,7 @@ def make_train_step(
     cast_batch: bool = True,
     batch_keep_full: tuple[policy_lib.KeepRule, ...] = (),
     extra_args: Callable[[jax.Array, Any, Any], Mapping[str, Any]] | None = None,
+    axis_name: str | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
   """Builds ``step(state, batch) -> (state, metrics)``, compiled with ``jax.jit``.
 
@@ -412,9 +466,18 @@ def make_train_step(
   ``jax.sharding.Mesh`` with ``NamedSharding``s on the state and the batch):
   XLA inserts the reductions, and the skip decision covers every shard.
 
+  Model state: when ``state.model_state`` is set (:meth:`TrainState.create`'s
+  ``model_state``: Flax ``batch_stats``, NNX non-param variables), the step
+  calls ``loss_fn(params, model_state, batch)``, with ``model_state`` cast by
+  the policy (keep rules apply), and ``loss_fn`` returns ``(loss,
+  new_model_state)``, or ``(loss, (new_model_state, aux))`` with
+  ``has_aux``. The new model state is stored in the state's dtypes, except on
+  a skipped step, where the old one is kept bit for bit.
+
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a float scalar, or
-      ``(loss, aux)`` when ``has_aux``.
+      ``(loss, aux)`` when ``has_aux``; ``loss_fn(params, model_state,
+      batch)`` when the state has a model state (see above).
     policy: the precision policy; its keep rules apply to params.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     donate: donate the state's buffers to the step (default on): the state
@@ -436,6 +499,11 @@ def make_train_step(
       arguments for ``tx.update``, merged over the default ``value=loss``
       (the unscaled float32 loss, optax's name for it, which e.g.
       ``optax.contrib.reduce_on_plateau`` reads).
+    axis_name: a name to bind over the whole batch while ``loss_fn`` runs,
+      for models written for ``pmap`` whose collectives name the
+      data-parallel axis (Flax ``BatchNorm(axis_name="batch")``). Under
+      ``jit`` the batch statistics are already the global batch's, so those
+      collectives are the identity; the step runs unchanged on a sharded mesh.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
@@ -476,6 +544,8 @@ def make_train_step(
   donate = checks.boolean("donate", donate)
   track_nonfinite = checks.boolean("track_nonfinite", track_nonfinite)
   cast_batch = checks.boolean("cast_batch", cast_batch)
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
   if extra_args is not None and not callable(extra_args):
     raise TypeError(f"extra_args must be a callable (loss, aux, batch) -> dict, got {extra_args!r}")
   batch_policy = policy_lib.Policy(
@@ -490,18 +560,35 @@ def make_train_step(
       batch = batch_policy.cast_to_compute(batch)
     trained = _trained_part(state.params)
     compute_params = policy.cast_to_compute(state.params)
+    with_state = state.model_state is not None
+    model_state = policy.cast_to_compute(state.model_state) if with_state else None
 
-    def scaled_loss(trained_c):
-      params = tree_utils.merge_floating(trained_c, compute_params)
-      loss, aux = _split_aux(loss_fn(params, batch), has_aux)
-      loss = _check_loss(loss, has_aux).astype(jnp.float32)
-      return loss * scale, (loss, aux)
+    def call_loss_fn(params, model_state, batch):
+      out = loss_fn(params, model_state, batch) if with_state else loss_fn(params, batch)
+      loss, rest = _split_aux(out, has_aux or with_state, with_state)
+      if with_state and has_aux:
+        new_model_state, aux = _split_aux(rest, True, with_state, what="the second element")
+      else:
+        new_model_state, aux = (rest, None) if with_state else (None, rest)
+      return _check_loss(loss, has_aux or with_state).astype(jnp.float32), new_model_state, aux
+
+    if axis_name is not None:
+      call_loss_fn = _bind_axis_name(call_loss_fn, axis_name)
+
+    def scaled_loss(trained_c, model_state):
+      # Rebuilt here, so that objects in it (NNX variables, which remember the
+      # trace they were made in) belong to this trace and can be mutated.
+      model_state = jax.tree.map(lambda x: x, model_state)
+      loss, new_model_state, aux = call_loss_fn(
+          tree_utils.merge_floating(trained_c, compute_params), model_state, batch)
+      return loss * scale, (loss, new_model_state, aux)
 
     # Gradients with respect to the compute-dtype copy are the same values as
     # with respect to the masters (the cast's transpose is an exact widening),
     # but half the bytes to hold until the skip is decided; the guard widens
     # them to the masters' dtype as it unscales.
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(_trained_part(compute_params))
+    grads, (loss, new_model_state, aux) = jax.grad(scaled_loss, has_aux=True)(
+        _trained_part(compute_params), model_state)
     kwargs = {"value": loss, **(extra_args(loss, aux, batch) if extra_args else {})}
     scaler = transform.scaling_update_of(state.tx)
     if scaler is not None:
@@ -522,6 +609,10 @@ def make_train_step(
         opt_state=opt_state,
     )
     finite, sumsq = guard.finite, guard.sumsq
+    if with_state:
+      new_model_state = _stored_like(new_model_state, state.model_state)
+      new_state = new_state.replace(model_state=jax.lax.cond(
+          finite, lambda: new_model_state, lambda: state.model_state))
     metrics = {"loss": loss, "grads_finite": finite, "loss_scale": scale,
                "grad_norm": jnp.sqrt(sumsq)}
     if has_aux:
