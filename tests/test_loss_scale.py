@@ -100,7 +100,10 @@ def test_eval_shape_and_aot_compile():
   out = compiled(ls, jnp.array(True))
   assert int(out.counter) == 1
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
-  assert jax.jit(f).lower(abstract, jax.ShapeDtypeStruct((), jnp.bool_)).compile() is not None
+  from_abstract = jax.jit(f).lower(abstract, jax.ShapeDtypeStruct((), jnp.bool_)).compile()
+  grown = from_abstract(dataclasses.replace(ls, counter=jnp.int32(2)), jnp.array(True))
+  assert (float(grown.loss_scale), int(grown.counter)) == (2.0**16, 0)
+  assert float(grown.min_loss_scale) == 1.0 and grown.period == 3
 
 
 def test_float16_loss_scale_adjusts_without_crash_or_inf(maybe_jit):

@@ -181,7 +181,8 @@ def test_restore_under_a_lower_max_scale_obeys_the_new_cap(checkpoint):
   step = jmp.make_train_step(loss_fn, POLICY, donate=False)
   for _ in range(3):
     state, _ = step(state, clean)
-    assert 1.0 <= float(state.opt_state.loss_scale) <= 2.0**6
+    # The checkpointed 2**10 is clipped to the new cap, and stays there.
+    assert float(state.opt_state.loss_scale) == 2.0**6
 
 
 def test_restore_dynamic_checkpoint_under_static_scaling_uses_the_static_scale(checkpoint):

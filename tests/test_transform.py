@@ -406,10 +406,27 @@ def test_non_number_config_raises_type_error(kwargs, match):
 
 
 def test_good_config_edge_values_are_accepted():
-  jmp.dynamic_loss_scaling(optax.sgd(0.1), growth_interval=np.int64(7))
-  jmp.dynamic_loss_scaling(optax.sgd(0.1), max_scale=float("inf"))
-  jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=1.0, min_scale=1.0, max_scale=1.0)
-  jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=jnp.float32(8.0))
+  params, grads = {"w": jnp.ones(2)}, {"w": jnp.ones(2)}
+
+  def scales(tx, steps):
+    state, out = tx.init(params), []
+    for _ in range(steps):
+      _, state = tx.update(grads, state, params)
+      out.append(float(jmp.loss_scale_of(state)))
+    return out
+
+  # A NumPy integer interval: growth after exactly 2 finite steps.
+  assert scales(jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0,
+                                         growth_interval=np.int64(2)), 4) == [2, 4, 4, 8]
+  # No cap: growth continues past the default 2**24.
+  assert scales(jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**24, growth_interval=1,
+                                         max_scale=float("inf")), 2) == [2.0**25, 2.0**26]
+  # A pinned scale never moves.
+  assert scales(jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=1.0, min_scale=1.0,
+                                         max_scale=1.0, growth_interval=1), 3) == [1.0] * 3
+  # A scalar array init_scale is taken as its value.
+  state = jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=jnp.float32(8.0)).init(params)
+  assert float(state.loss_scale) == 8.0 and state.loss_scale.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("inner", [None, optax.sgd, "adam", 3.0, (lambda p: p, None)])
