@@ -50,30 +50,48 @@ def _real_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(jnp.finfo(dtype).dtype)
 
 
+def _wide(dtype: np.dtype, param: Any) -> np.dtype:
+  """The dtype a gradient is unscaled and reduced in.
+
+  :func:`tree_utils.wide_dtype` of the gradient (float32 at least), or of its
+  param when that is wider: float16 gradients of float64 masters are unscaled
+  in float64.
+  """
+  wide = tree_utils.wide_dtype(dtype)
+  if tree_utils.is_inexact_array(param) and tree_utils.wide_dtype(param.dtype).itemsize > wide.itemsize:
+    return tree_utils.wide_dtype(param.dtype)
+  return wide
+
+
+def _with_params(grads: optax.Updates, params: optax.Params | None) -> list[tuple[Any, Any]]:
+  """``(gradient, param or None)`` for every leaf of ``grads``."""
+  leaves = jax.tree.leaves(grads)
+  if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
+    return list(zip(leaves, jax.tree.leaves(params)))
+  return [(g, None) for g in leaves]
+
+
+def _times_inv(x: jax.Array, inv_scale: jax.Array | None) -> jax.Array:
+  if inv_scale is None:
+    return x
+  return x * inv_scale.astype(_real_dtype(x.dtype)).astype(x.dtype)
+
+
 def unscale(
     grads: optax.Updates, inv_scale: jax.Array | None, params: optax.Params | None = None
 ) -> optax.Updates:
-  """Floating and complex leaves widened and times ``inv_scale``.
+  """Floating and complex leaves widened (see :func:`_wide`) and times ``inv_scale``.
 
-  Each gradient is widened to :func:`tree_utils.wide_dtype` (float32 at
-  least), and to its param's dtype when that is wider: float16 gradients of
-  float64 masters are unscaled in float64. ``inv_scale=None`` only widens.
-  ``1 / scale`` is cast to each leaf's dtype.
+  ``inv_scale=None`` only widens. ``1 / scale`` is cast to each leaf's dtype.
   """
+  pairs = iter(_with_params(grads, params))
 
-  def one(g, p=None):
+  def one(g):
+    _, p = next(pairs)
     if not tree_utils.is_inexact_array(g):
       return g
-    wide = tree_utils.wide_dtype(g.dtype)
-    if tree_utils.is_inexact_array(p) and tree_utils.wide_dtype(p.dtype).itemsize > wide.itemsize:
-      wide = tree_utils.wide_dtype(p.dtype)
-    g = g.astype(wide)
-    if inv_scale is None:
-      return g
-    return g * inv_scale.astype(_real_dtype(wide)).astype(wide)
+    return _times_inv(g.astype(_wide(g.dtype, p)), inv_scale)
 
-  if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
-    return jax.tree.map(one, grads, params)
   return jax.tree.map(one, grads)
 
 
@@ -83,11 +101,6 @@ def unscale(
 # dominates for small leaves, while copying a leaf into the concatenation
 # costs about as much as reducing it.
 FUSE_MAX_ELEMENTS = 1 << 14
-
-
-def _sumsq(x: jax.Array, acc: np.dtype) -> jax.Array:
-  sq = jnp.square(jnp.abs(x)) if jnp.iscomplexobj(x) else jnp.square(x)
-  return jnp.sum(sq).astype(acc)
 
 
 def unscaled_sumsq(
@@ -106,20 +119,28 @@ def unscaled_sumsq(
   reduced where it lives (a concatenation would gather sharded leaves), which
   XLA:GPU fuses horizontally.
   """
-  leaves = [g for g in jax.tree.leaves(unscale(grads, inv_scale, params))
-            if tree_utils.is_inexact_array(g)]
-  wide = any(_real_dtype(g.dtype).itemsize > 4 for g in leaves)
-  acc = np.dtype(jnp.float64 if wide else jnp.float32)
+  pairs = [(g, _wide(g.dtype, p)) for g, p in _with_params(grads, params)
+           if tree_utils.is_inexact_array(g)]
+  acc = np.dtype(jnp.float64 if any(_real_dtype(w).itemsize > 4 for _, w in pairs)
+                 else jnp.float32)
+
+  def sumsq(x, wide):
+    x = _times_inv(x.astype(wide), inv_scale)
+    sq = jnp.square(jnp.abs(x)) if jnp.iscomplexobj(x) else jnp.square(x)
+    return jnp.sum(sq).astype(acc)
+
+  # Small leaves are concatenated in their own dtype (often half the bytes of
+  # the wide one) and widened after the concatenation.
   fuse = jax.device_count() == 1
-  groups: dict[np.dtype, list[jax.Array]] = {}
+  groups: dict[tuple[np.dtype, np.dtype], list[jax.Array]] = {}
   total = jnp.zeros((), acc)
-  for g in leaves:
+  for g, wide in pairs:
     if fuse and g.size <= FUSE_MAX_ELEMENTS:
-      groups.setdefault(np.dtype(g.dtype), []).append(g.ravel())
+      groups.setdefault((np.dtype(g.dtype), wide), []).append(g.ravel())
     else:
-      total = total + _sumsq(g, acc)
-  for group in groups.values():
-    total = total + _sumsq(jnp.concatenate(group), acc)
+      total = total + sumsq(g, wide)
+  for (_, wide), group in groups.items():
+    total = total + sumsq(jnp.concatenate(group), wide)
   return total
 
 
