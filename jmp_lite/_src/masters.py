@@ -265,15 +265,10 @@ def check_compensation(params: Any, compensation: Any) -> list[Any]:
 def zero_compensation(params: Any) -> Any:
   """bfloat16 zeros for each bfloat16 leaf (on its sharding), ``None`` elsewhere."""
 
-  def zeros(p):
-    if not is_lean(p):
-      return None
-    # Committed params (placed on a device or a mesh) get their sharding; the
-    # others stay uncommitted too, so that the first step sees one signature.
-    sharding = p.sharding if isinstance(p, jax.Array) and p.committed else None
-    return jnp.zeros(p.shape, p.dtype, device=sharding)
-
-  return jax.tree.map(zeros, params)
+  # zeros_like keeps the sharding, and the committedness: params placed on a
+  # mesh get buffers on the same shards, uncommitted params uncommitted ones
+  # (so that the first step sees the same signature as the next ones).
+  return jax.tree.map(lambda p: jnp.zeros_like(p) if is_lean(p) else None, params)
 
 
 def float32_view(params: Any, compensation: Any = None) -> Any:
