@@ -271,22 +271,15 @@ def zero_compensation(params: Any) -> Any:
   return jax.tree.map(lambda p: jnp.zeros_like(p) if is_lean(p) else None, params)
 
 
-def float32_view(params: Any, compensation: Any = None) -> Any:
-  """The float32 values the optimizer works on: bfloat16 leaves upcast (plus their compensation).
+def float32_view(params: Any) -> Any:
+  """The float32 values the model and the optimizer see: bfloat16 leaves upcast.
 
   Other leaves come back as they are, so float32 masters pass through
-  unchanged.
+  unchanged. With Kahan compensation the visible weight is the stored
+  bfloat16 one, as in Kahan summation: the compensation only carries the
+  rounding error into the next write-back.
   """
-  if not any(is_lean(p) for p in jax.tree.leaves(params)):
-    return params
-  flat_p, treedef = _flatten(params)
-  flat_c = [None] * len(flat_p) if compensation is None else check_compensation(params, compensation)
-  out = []
-  for p, c in zip(flat_p, flat_c):
-    if is_lean(p):
-      p = p.astype(jnp.float32) if c is None else p.astype(jnp.float32) + c.astype(jnp.float32)
-    out.append(p)
-  return treedef.unflatten(out)
+  return jax.tree.map(lambda p: p.astype(jnp.float32) if is_lean(p) else p, params)
 
 
 def apply_updates(

@@ -206,7 +206,7 @@ class TrainState:
     rounding_key = None
     if key is not None:
       rounding_key = _replicated_like(_own_key(masters.as_key(key)), params)
-    opt_state = tx.init(_trained_part(masters.float32_view(params, compensation)))
+    opt_state = tx.init(_trained_part(masters.float32_view(params)))
     transform.check_outermost(tx, opt_state)
     return cls(
         step=jnp.zeros((), jnp.int32),
@@ -407,11 +407,12 @@ def make_train_step(
   (``keep_full`` leaves stay float32): the gradients, the optimizer update and
   the stored params are float32. With bfloat16 masters
   (``TrainState.create(..., master_dtype=jnp.bfloat16, rounding=...)``) the
-  "master params" above are their float32 view (``float32(p)``, plus the
-  compensation with ``rounding="kahan"``): ``loss_fn``, the gradients and
-  ``tx`` see float32 exactly as with float32 masters, and only the write-back
-  rounds to bfloat16, as :func:`apply_updates` does; step ``t`` rounds
-  stochastically with ``jax.random.fold_in(state.rounding_key, t)``.
+  "master params" above are their float32 view ``float32(p)`` (with
+  ``rounding="kahan"`` the compensation only enters the write-back):
+  ``loss_fn``, the gradients and ``tx`` see float32 exactly as with float32
+  masters, and only the write-back rounds to bfloat16, as
+  :func:`apply_updates` does; step ``t`` rounds stochastically with
+  ``jax.random.fold_in(state.rounding_key, t)``.
   ``policy.param_dtype`` and ``output_dtype`` are not used by the step.
   Non-floating leaves of params (int counters, PRNG keys) and of the batch
   (labels) are passed through as they are; param ones are not differentiated
@@ -517,7 +518,7 @@ def make_train_step(
     scale = transform.loss_scale_of(state.opt_state)
     if cast_batch:
       batch = batch_policy.cast_to_compute(batch)
-    view = masters.float32_view(state.params, state.compensation)  # float32 masters: as is
+    view = masters.float32_view(state.params)  # float32 masters: as they are
     trained = _trained_part(view)
 
     def scaled_loss(trained):
