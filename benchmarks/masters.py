@@ -15,6 +15,10 @@ only the master weights change:
   *_mu16                the same with Adam's first moment in bfloat16
                         (``optax.adam(..., mu_dtype=jnp.bfloat16)``)
 
+It also compares float16 and bfloat16 storage for tiny updates at three
+weight scales (:func:`float16_evidence`), the measurement behind refusing
+``master_dtype=float16``.
+
 Memory is what the compiled step takes as arguments
 (``step.lower(state, batch).compile().memory_analysis().argument_size_in_bytes``),
 divided by the number of parameters; the state's own bytes (without the batch)
@@ -185,6 +189,76 @@ def bench_model(problem: models.Problem, variants: Sequence[Variant], *, repeats
   return dict(model=problem.name, config=problem.config, variants=out)
 
 
+# Why float16 masters are refused: the same tiny-update accumulation in
+# float16 and bfloat16 storage, at three weight scales.
+FLOAT16_FORMATS = (("float16", "nearest"), ("float16", "kahan"), ("bfloat16", "nearest"),
+                   ("bfloat16", "kahan"), ("bfloat16", "stochastic"))
+
+
+def accumulate(dtype: Any, rounding: str, w0: jax.Array, updates: jax.Array) -> jax.Array:
+  """``w0 + sum(updates)`` accumulated one update at a time in ``dtype`` storage (float32 result).
+
+  Uses the library's rounding kernels directly, so that float16 (which the
+  public API refuses) can be measured with the same arithmetic.
+  """
+  from jmp_lite._src import masters as lean  # the kernels, not the public checks
+
+  keys = jax.random.split(jax.random.key(0), updates.shape[0])
+
+  def body(carry, xs):
+    p, c = carry
+    u, key = xs
+    if rounding == "kahan":
+      p, c = lean.kahan_add(p, c, u)
+    elif rounding == "stochastic":
+      p = lean.stochastic_round(p.astype(jnp.float32) + u, jax.random.bits(key, (), jnp.uint32))
+    else:
+      p = (p.astype(jnp.float32) + u).astype(dtype)
+    return (p, c), None
+
+  p = w0.astype(dtype)
+  (p, _), _ = jax.lax.scan(body, (p, jnp.zeros_like(p)), (updates, keys))
+  return p.astype(jnp.float32)
+
+
+def float16_evidence(*, steps: int = 1000, n: int = 20000, seed: int = 0) -> list[dict[str, Any]]:
+  """RMS error / RMS drift after ``steps`` updates, per weight scale and storage format.
+
+  Weights are N(0, sigma); each update is ``rel * sigma`` times U(0.5, 1.5),
+  with a fixed random sign per weight, so every weight drifts ~``steps * rel``
+  of its scale. The float64 sum is the reference.
+  """
+  rng = np.random.default_rng(seed)
+  run = jax.jit(accumulate, static_argnums=(0, 1))
+  rows = []
+  for sigma in (1.0, 1e-2, 1e-4):
+    for rel in (1e-3, 1e-4):
+      w0 = rng.normal(0.0, sigma, n).astype(np.float32)
+      u = (rel * sigma * rng.uniform(0.5, 1.5, (steps, n)) * rng.choice([-1, 1], n))
+      u = u.astype(np.float32)
+      ref = w0.astype(np.float64) + u.astype(np.float64).sum(0)
+      drift = np.sqrt(np.mean((ref - w0) ** 2))
+      row = dict(sigma=sigma, update=rel * sigma,
+                 subnormal_in_f16=float(np.mean(np.abs(w0) < 2.0**-14)))
+      for dtype, rounding in FLOAT16_FORMATS:
+        got = np.asarray(run(dtype, rounding, jnp.asarray(w0), jnp.asarray(u)), np.float64)
+        row[f"{dtype}-{rounding}"] = float(np.sqrt(np.mean((got - ref) ** 2)) / drift)
+      rows.append(row)
+  return rows
+
+
+def float16_markdown(rows: list[dict[str, Any]]) -> str:
+  names = [f"{d}-{r}" for d, r in FLOAT16_FORMATS]
+  lines = ["| weights N(0, sigma) | update size | " + " | ".join(names)
+           + " | weights subnormal in f16 |",
+           "|---" * (len(names) + 3) + "|"]
+  for row in rows:
+    lines.append(f"| sigma={row['sigma']:g} | {row['update']:.0e} | "
+                 + " | ".join(f"{row[k]:.4f}" for k in names)
+                 + f" | {100 * row['subnormal_in_f16']:.1f}% |")
+  return "\n".join(lines)
+
+
 def check_bars(result: dict[str, Any], limit: float) -> list[dict[str, Any]]:
   bars = []
   for rec in result["variants"]:
@@ -228,6 +302,10 @@ def markdown(payload: dict[str, Any]) -> str:
           f"| {_fmt(None if temp is None else temp / 2**20, '.1f')} "
           f"| {rec['step_ms_median']:.2f} | {rec['vs_fp32']:.3f} "
           f"| {rec['vs_fp32_paired_median']:.3f} |")
+  if payload.get("float16_evidence"):
+    lines += ["", "## Why not float16 masters", "",
+              "RMS error after 1000 tiny updates / RMS drift (0 is exact, 1 is a stall); "
+              "float64 reference:", "", float16_markdown(payload["float16_evidence"])]
   lines += ["", "Bars (step time vs fp32 masters):", ""]
   for bar in payload["bars"]:
     lines.append(f"- {bar['model']} {bar['variant']}: {bar['value']:.3f} <= {bar['limit']:.2f} "
@@ -264,6 +342,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--out", type=pathlib.Path, default=None,
                  help="results folder (default benchmarks/results; a temp folder with --smoke)")
   p.add_argument("--strict", action="store_true", help="exit with status 1 if a bar fails")
+  p.add_argument("--no-float16", action="store_true",
+                 help="skip the float16-vs-bfloat16 storage comparison (about 10 s)")
   args = p.parse_args(argv)
   names = [m for m in args.model.split(",") if m]
   bad = [m for m in names if m not in models.MODELS]
@@ -282,6 +362,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.error(f"--warmup must be >= 0, got {args.warmup}")
   if args.smoke:
     args.models, args.preset, args.repeats, args.inner, args.warmup = ["mlp"], "smoke", 3, 1, 1
+    args.no_float16 = True
     args.variants = [v for v in args.variants if v.name in ("fp32", *BARRED)]
   return args
 
@@ -299,13 +380,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                          warmup=args.warmup)
     results.append(result)
     bars += check_bars(result, limit)
+  evidence = None
+  if not args.no_float16:
+    print("float16 vs bfloat16 storage: 1000 tiny updates at three weight scales")
+    evidence = float16_evidence()
   payload = dict(
       meta=dict(command="python -m benchmarks.masters " + " ".join(sys.argv[1:] if argv is None else argv),
                 date=datetime.date.today().isoformat(), platform=device.platform,
                 device_kind=device.device_kind, machine=platform.machine(),
                 jax=jax.__version__, optax=optax.__version__, preset=preset,
                 repeats=args.repeats, inner=args.inner, warmup=args.warmup),
-      results=results, bars=bars)
+      results=results, bars=bars, float16_evidence=evidence)
   text = markdown(payload)
   print("\n" + text)
   out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="masters-")) if args.smoke else RESULTS)

@@ -49,6 +49,7 @@ MODES = {
 }
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "out"
 SIZES = (32, 64, 8)
+SIZE_KEYS = ("w1", "b1", "w2", "b2")
 
 
 def mlp(params, x):
@@ -89,7 +90,7 @@ class Result:
   first_loss: float
   final_loss: float  # mean of the last 50 steps
   moved: float  # percent of weights that differ from their initial value
-  rms_to_fp32: float  # RMS distance to the fp32 run's weights, in bf16 ulps
+  left_to_fp32: float  # |w - w_fp32| / |w_start - w_fp32|, percent: how far from the fp32 run
   step_ms: float
   losses: np.ndarray
   trajectory: np.ndarray  # the watched weight after every step
@@ -128,7 +129,7 @@ def run(mode: str, student, batches, *, steps: int, lr: float, policy: str, watc
       first_loss=float(losses[0]),
       final_loss=float(losses[-50:].mean()),
       moved=100.0 * moved / total,
-      rms_to_fp32=float("nan"),
+      left_to_fp32=float("nan"),
       step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
       losses=losses,
       trajectory=np.asarray(jax.device_get(trajectory), np.float32),
@@ -145,13 +146,13 @@ def table(results: Sequence[Result]) -> str:
           f"{r.final_loss:.3e}",
           f"{r.first_loss / r.final_loss:.1f}x",
           f"{r.moved:.1f}%",
-          f"{r.rms_to_fp32:.2f}",
+          f"{r.left_to_fp32:.1f}%",
           f"{r.step_ms:.2f}",
       ]
       for r in results
   ]
   headers = ["masters", "bytes/weight", "first loss", "final loss (last 50)", "loss reduction",
-             "weights moved", "RMS to fp32 (ulps)", "step ms"]
+             "weights moved", "distance left to fp32 weights", "step ms"]
   return _common.markdown_table(headers, rows)
 
 
@@ -223,19 +224,25 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
                         watch=watch, seed=args.seed, progress=not args.no_progress)
     results.append(result)
     finals[mode] = final
-  ref = finals["fp32"]
+  # Distance to the fp32 run's final weights, as a fraction of where it started.
+  flat = lambda tree: np.concatenate([np.asarray(tree[k], np.float64).ravel() for k in SIZE_KEYS])
+  ref = flat(finals["fp32"])
+  start_gap = np.linalg.norm(flat(student) - ref)
   for r in results:
-    diffs = np.concatenate([(finals[r.mode][k].astype(np.float64) - ref[k]).ravel()
-                            / (2 * half_ulp_bf16(ref[k]).ravel()) for k in ref])
-    r.rms_to_fp32 = float(np.sqrt(np.mean(diffs**2)))
+    r.left_to_fp32 = float(100.0 * np.linalg.norm(flat(finals[r.mode]) - ref) / start_gap)
+  # The floor for any bf16 storage: the fp32 result itself rounded to bf16.
+  floor = float(100.0 * np.linalg.norm(
+      np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float64) - ref) / start_gap)
   # How small the updates are: Adam moves a weight by about lr per step (exactly
   # lr on the first step), against half an ulp of the weight in bf16.
-  start = np.concatenate([np.asarray(v, np.float64).ravel() for v in student.values()])
-  ratio = args.lr / half_ulp_bf16(start)
+  ratio = args.lr / half_ulp_bf16(flat(student))
   text = table(results)
   print(f"\nlr / half a bf16 ulp of the weight: median {np.median(ratio):.3f}, "
         f"{100 * np.mean(ratio < 1):.1f}% of weights below 1 (their updates round away)\n")
   print(text)
+  note = (f"The fp32 run's own weights rounded to bf16 are {floor:.1f}% away from it: "
+          "the floor for any bf16 storage.")
+  print(f"\n{note}")
   out = args.out if args.out is not None else (None if args.smoke else DEFAULT_OUT)
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
@@ -254,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
           for r in results
       ],
   }
-  written = _common.write_results(out, "weight_updates", text, payload)
+  payload["bf16_rounding_floor_percent"] = floor
+  written = _common.write_results(out, "weight_updates", f"{text}\n\n{note}", payload)
   print("wrote " + ", ".join(str(p) for p in [png, *written]))
   return results
 

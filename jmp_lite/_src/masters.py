@@ -21,7 +21,7 @@ lean params, the key and the compensation, and the train step calls
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +42,18 @@ _MASTER_DTYPE_MSG = (
     "as float64), got {value!r}"
 )
 _FLOAT16_MSG = (
-    "master_dtype=float16 is not supported: float16 masters are a poor store for "
-    "weights. Its 5-bit exponent makes every value below 2**-14 (6.1e-05) "
-    "subnormal, with an absolute spacing of 2**-24 (6e-08): the Kahan "
-    "compensation of a weight below 0.125, which is a fraction of that weight's "
-    "ulp, and weights pushed towards 0 by weight decay lose their precision "
-    "there. Stochastic rounding to float16 is also not the truncation of a "
-    "float32 bit pattern that it is for bfloat16. Use master_dtype=jnp.bfloat16 "
-    "(float32's exponent range) with rounding='stochastic' or 'kahan'; float16 "
-    "compute (policy 'mixed_float16') works with either master dtype."
+    "master_dtype=float16 is not supported: float16's precision depends on the "
+    "weights' scale. It has 3 more mantissa bits than bfloat16, but its 5-bit "
+    "exponent makes every value below 2**-14 (6.1e-05) subnormal, with a fixed "
+    "spacing of 2**-24 (6e-08): small weights (LayerScale-style or near-zero "
+    "ones) lose their precision, and updates below 3e-08 vanish even with Kahan "
+    "compensation, which then stalls (RMS error = the whole drift for weights "
+    "~1e-4 with updates of 1e-8, where bfloat16 + Kahan is within 3%; python -m "
+    "benchmarks.masters). bfloat16 has float32's exponent range, so it behaves "
+    "the same at every scale, and its stochastic rounding is the exact "
+    "truncation of a float32 bit pattern. Use master_dtype=jnp.bfloat16 with "
+    "rounding='stochastic' or 'kahan'; float16 compute (policy "
+    "'mixed_float16') works with either master dtype."
 )
 _NEEDS_LEAN_MSG = (
     "rounding={rounding!r} needs bfloat16 masters (master_dtype=jnp.bfloat16); "
@@ -373,7 +376,8 @@ def apply_updates(
 
   flat_p, treedef = _flatten(params)
   flat_u = _flatten_like(treedef, updates, "updates")
-  flat_c = check_compensation(params, compensation) if rounding == "kahan" else None
+  kahan = rounding == "kahan"
+  flat_c = check_compensation(params, compensation) if kahan else [None] * len(flat_p)
   if rounding != "nearest":
     for path, p in zip(_paths(params), flat_p):
       if tree_utils.is_floating_array(p) and jnp.finfo(p.dtype).bits < 32 and not is_lean(p):
@@ -381,25 +385,21 @@ def apply_updates(
             f"rounding={rounding!r} supports bfloat16 params only, but {path!r} is "
             f"{p.dtype}; use rounding='nearest' for it, or bfloat16"
         )
-  lean = {i: n for n, i in enumerate(i for i, p in enumerate(flat_p) if is_lean(p))}
-  seeds = None
+  lean = [i for i, p in enumerate(flat_p) if is_lean(p)]
+  seeds: dict[int, jax.Array] = {}
   if rounding == "stochastic" and lean:
-    seeds = jax.random.bits(key, (len(lean),), jnp.uint32)
+    drawn = jax.random.bits(cast(jax.Array, key), (len(lean),), jnp.uint32)
+    seeds = {i: drawn[n] for n, i in enumerate(lean)}
 
-  new_p = list(flat_p)
-  new_c = None if flat_c is None else list(flat_c)
-  for i, (p, u) in enumerate(zip(flat_p, flat_u)):
+  new_p, new_c = list(flat_p), list(flat_c)
+  for i, (p, u, c) in enumerate(zip(flat_p, flat_u, flat_c)):
     if p is None:
       continue
-    if i not in lean:
+    if not is_lean(p):
       new_p[i] = jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-    elif rounding == "kahan":
-      new_p[i], new_c[i] = kahan_add(p, flat_c[i], u)
+    elif kahan:
+      new_p[i], new_c[i] = kahan_add(p, c, u)
     else:
       total = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
-      if rounding == "nearest":
-        new_p[i] = total.astype(p.dtype)
-      else:
-        new_p[i] = stochastic_round(total, seeds[lean[i]])
-  comp_out = None if new_c is None else treedef.unflatten(new_c)
-  return treedef.unflatten(new_p), comp_out
+      new_p[i] = total.astype(p.dtype) if rounding == "nearest" else stochastic_round(total, seeds[i])
+  return treedef.unflatten(new_p), (treedef.unflatten(new_c) if kahan else None)
