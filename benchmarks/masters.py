@@ -129,6 +129,7 @@ class Live:
   state: Any
   record: dict[str, Any]
   times: list[float] = dataclasses.field(default_factory=list)
+  cpu_times: list[float] = dataclasses.field(default_factory=list)
 
 
 def prepare(variant: Variant, problem: models.Problem, warmup: int) -> Live:
@@ -153,11 +154,18 @@ def prepare(variant: Variant, problem: models.Problem, warmup: int) -> Live:
 
 
 def time_once(live: Live, batch: Any, inner: int) -> float:
+  """Wall time per step over ``inner`` steps; also records this process's CPU time per step.
+
+  On a shared machine other processes stretch the wall time; the CPU time
+  (summed over XLA's threads) counts only this step's own work.
+  """
   state = live.state
+  c0 = time.process_time()
   t0 = time.perf_counter()
   for _ in range(inner):
     state, metrics = live.compiled(state, batch)
   jax.block_until_ready((state, metrics))
+  live.cpu_times.append((time.process_time() - c0) / inner)
   live.state = state
   if not bool(metrics["grads_finite"]):
     raise RuntimeError(f"{live.variant.name}: a step was skipped while timing")
@@ -184,6 +192,8 @@ def bench_model(problem: models.Problem, variants: Sequence[Variant], *, repeats
     rec["vs_fp32"] = statistics.median(live.times) / statistics.median(base.times)
     rec["vs_fp32_paired_median"] = statistics.median(
         a / b for a, b in zip(live.times, base.times))
+    rec["cpu_ms_median"] = 1e3 * statistics.median(live.cpu_times)
+    rec["cpu_vs_fp32"] = statistics.median(live.cpu_times) / statistics.median(base.cpu_times)
     rec["loss_final"] = float(live.compiled(live.state, problem.batch)[1]["loss"])
     out.append(rec)
   return dict(model=problem.name, config=problem.config, variants=out)
@@ -285,14 +295,16 @@ def markdown(payload: dict[str, Any]) -> str:
       f"`{meta['command']}` on {meta['date']}; jax {meta['jax']}, optax {meta['optax']}; "
       f"{meta['repeats']} interleaved repeats of {meta['inner']} steps; policy mixed_bfloat16, "
       "Adam. Bytes per parameter: compiled step arguments (state + batch) / parameters; "
-      "state: the TrainState's arrays alone.",
+      "state: the TrainState's arrays alone. vs fp32: ratio of median wall times; paired: "
+      "median of per-repeat ratios; CPU: this process's CPU time per step (all threads), "
+      "which other processes on a shared machine do not stretch.",
   ]
   for result in payload["results"]:
     n = result["variants"][0]["params"]
     lines += ["", f"## {result['model']} ({n:,} parameters; {result['config']})", "",
               "| variant | masters | Adam mu | arg bytes/param | state bytes/param | temp MiB "
-              "| step ms (median) | vs fp32 | paired |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| step ms (median) | vs fp32 | paired | CPU ms | CPU vs fp32 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rec in result["variants"]:
       temp = rec["memory_bytes"]["temp"]
       masters = "f32" if rec["master_dtype"] == "float32" else f"bf16 {rec['rounding']}"
@@ -301,7 +313,8 @@ def markdown(payload: dict[str, Any]) -> str:
           f"| {_fmt(rec['argument_bytes_per_param'], '.2f')} | {rec['state_bytes_per_param']:.2f} "
           f"| {_fmt(None if temp is None else temp / 2**20, '.1f')} "
           f"| {rec['step_ms_median']:.2f} | {rec['vs_fp32']:.3f} "
-          f"| {rec['vs_fp32_paired_median']:.3f} |")
+          f"| {rec['vs_fp32_paired_median']:.3f} | {rec['cpu_ms_median']:.2f} "
+          f"| {rec['cpu_vs_fp32']:.3f} |")
   if payload.get("float16_evidence"):
     lines += ["", "## Why not float16 masters", "",
               "RMS error after 1000 tiny updates / RMS drift (0 is exact, 1 is a stall); "

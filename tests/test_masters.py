@@ -424,6 +424,21 @@ def test_create_copies_and_casts_every_floating_leaf():
   np.testing.assert_array_equal(jax.random.key_data(legacy.rounding_key), [0, 5])
 
 
+def test_x64_float64_params_become_bf16_masters_and_compute_in_float32():
+  with jax.enable_x64(True):
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), make_params())
+    state = jmp.TrainState.create(params=params, tx=optax.adam(1e-2), **LEAN[1])
+    assert {state.params[k].dtype for k in ("w1", "b1", "w2")} == {np.dtype(BF16)}
+    adam = state.opt_state[0]
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {np.dtype(jnp.float32)}
+    step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
+    before = dtypes(state)
+    for _ in range(5):
+      state, metrics = step(state, make_batch())
+    assert dtypes(state) == before and step._cache_size() == 1
+    assert bool(metrics["grads_finite"])
+
+
 def test_float32_masters_are_unchanged_by_the_new_fields():
   state = jmp.TrainState.create(params=make_params(), tx=optax.adam(1e-3))
   assert state.master_dtype == jnp.float32 and state.rounding == "nearest"
