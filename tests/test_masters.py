@@ -5,6 +5,9 @@ is shown, not assumed. Resume is in ``test_resume.py`` and sharding in
 ``test_sharding.py``.
 """
 
+import json
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,7 @@ import pytest
 import jmp_lite as jmp
 from jmp_lite._src import masters
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
 LEAN = [
     dict(master_dtype=BF16, rounding="nearest"),
@@ -447,23 +451,49 @@ def test_float32_masters_are_unchanged_by_the_new_fields():
   assert len(leaves) == len(jax.tree.leaves((state.step, state.params, state.opt_state)))
 
 
+@pytest.fixture
+def bench(monkeypatch):
+  """``benchmarks.masters``, importable however pytest was started."""
+  monkeypatch.syspath_prepend(str(ROOT))
+  from benchmarks import masters as bench_masters
+
+  return bench_masters
+
+
+def test_benchmark_smoke_reports_bytes_per_parameter(bench, tmp_path, capsys):
+  assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+  (path,) = tmp_path.glob("masters-*.json")
+  payload = json.loads(path.read_text())
+  rows = {r["name"]: r for r in payload["results"][0]["variants"]}
+  assert list(rows) == ["fp32", "bf16_stochastic", "bf16_kahan"]
+  # Adam's two float32 moments plus the masters: 4, 2 or 2 + 2 bytes per weight
+  # (the step counters and the key add a few bytes in all).
+  state = {k: r["state_bytes_per_param"] for k, r in rows.items()}
+  assert state["fp32"] == pytest.approx(12.0, abs=0.01)
+  assert state["bf16_stochastic"] == pytest.approx(10.0, abs=0.01)
+  assert state["bf16_kahan"] == pytest.approx(12.0, abs=0.01)
+  args = {k: r["argument_bytes_per_param"] for k, r in rows.items()}
+  assert args["fp32"] - args["bf16_stochastic"] == pytest.approx(2.0, abs=0.01)
+  assert {b["variant"] for b in payload["bars"]} == {"bf16_stochastic", "bf16_kahan"}
+  assert "| bf16_kahan | bf16 kahan |" in path.with_suffix(".md").read_text()
+  assert "wrote" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("sigma", [1.0, 1e-4])
-def test_why_float16_masters_are_refused(sigma):
+def test_why_float16_masters_are_refused(sigma, bench):
   """The evidence behind refusing float16: its Kahan-compensated storage stalls on small weights.
 
   At scale 1, float16 (11 bits) tracks tiny updates better than bfloat16 (8
   bits); at scale 1e-4, with updates of 1e-8, everything float16 stores is
   subnormal and the updates vanish, while bfloat16 behaves as at scale 1.
   """
-  from benchmarks.masters import accumulate
-
   rng = np.random.default_rng(0)
   w0 = rng.normal(0.0, sigma, 2000).astype(np.float32)
   u = (1e-4 * sigma * rng.uniform(0.5, 1.5, (1000, 2000)) * rng.choice([-1, 1], 2000))
   u = u.astype(np.float32)
   ref = w0.astype(np.float64) + u.astype(np.float64).sum(0)
   drift = np.sqrt(np.mean((ref - w0) ** 2))
-  run = jax.jit(accumulate, static_argnums=(0, 1))
+  run = jax.jit(bench.accumulate, static_argnums=(0, 1))
   err = {dt: np.sqrt(np.mean((np.asarray(run(dt, "kahan", w0, u), np.float64) - ref) ** 2)) / drift
          for dt in ("float16", "bfloat16")}
   assert err["bfloat16"] < 0.05
