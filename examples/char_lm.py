@@ -40,6 +40,13 @@ import _common
 
 MODES = ("fp32", "bf16", "f16")
 POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16"}
+# Lean master weights (--masters): TrainState.create arguments, run under the bf16 policy.
+MASTERS = {
+    "f32": {},
+    "bf16-nearest": dict(master_dtype=jnp.bfloat16, rounding="nearest"),
+    "bf16-stochastic": dict(master_dtype=jnp.bfloat16, rounding="stochastic"),
+    "bf16-kahan": dict(master_dtype=jnp.bfloat16, rounding="kahan"),
+}
 VOCAB = 256  # bytes
 
 
@@ -116,6 +123,7 @@ class Result:
   skipped: int
   final_scale: float
   losses: np.ndarray
+  masters: str = "f32"  # a key of MASTERS
 
 
 def init_params(model: LSTMLM, tokens: np.ndarray, seed: int):
@@ -143,14 +151,18 @@ def run(
     growth_interval: int = 200,
     params=None,
     progress: bool = True,
+    masters: str = "f32",
 ) -> Result:
   """Trains the LM for ``steps`` chunks in one precision ``mode``; returns its result.
 
   ``params`` (initial weights, e.g. from :func:`init_params`) default to a fresh
   initialisation from ``seed``; pass them to share one across modes.
+  ``masters`` picks the master weights (a key of :data:`MASTERS`).
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if masters not in MASTERS:
+    raise ValueError(f"masters must be one of {tuple(MASTERS)}, got {masters!r}")
   policy = jmp.get_policy(POLICIES[mode])
   x_tr, y_tr = train_chunks
   batch = x_tr.shape[1]
@@ -176,11 +188,15 @@ def run(
   tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(lr))
   if mode == "f16":
     tx = jmp.dynamic_loss_scaling(tx, init_scale=init_scale, growth_interval=growth_interval)
-  state = jmp.TrainState.create(params=params, tx=tx)
+  lean = dict(MASTERS[masters])
+  if lean.get("rounding") == "stochastic":
+    lean["key"] = jax.random.key(seed)
+  state = jmp.TrainState.create(params=params, tx=tx, **lean)
   step = jmp.make_train_step(loss_fn, policy, has_aux=True)
 
   times, metrics = [], []
-  for i in _common.progress(range(steps), desc=f"{mode:>4}", total=steps, enabled=progress):
+  desc = mode if masters == "f32" else f"{mode}/{masters}"
+  for i in _common.progress(range(steps), desc=f"{desc:>4}", total=steps, enabled=progress):
     j = i % len(x_tr)
     if j == 0:  # a new pass over the training streams starts from a zero state
       carries = zero_carries(batch)
@@ -209,14 +225,17 @@ def run(
       skipped=skipped,
       final_scale=float(jmp.loss_scale_of(state.opt_state)),
       losses=losses,
+      masters=masters,
   )
 
 
 def table(results: Sequence[Result]) -> str:
   base = next((r for r in results if r.mode == "fp32"), results[0])
+  lean = any(r.masters != "f32" for r in results)  # a masters column only when it varies
   rows = [
       [
           r.mode,
+          *([r.masters] if lean else []),
           r.policy,
           f"{r.valid_ppl:.3f}",
           f"{r.valid_bpb:.3f}",
@@ -228,8 +247,9 @@ def table(results: Sequence[Result]) -> str:
       ]
       for r in results
   ]
-  headers = ["mode", "policy", "valid ppl/byte", "valid bits/byte", "train loss (last 50)",
-             "step ms (median)", "vs fp32", "skipped steps", "final scale"]
+  headers = ["mode", *(["masters"] if lean else []), "policy", "valid ppl/byte",
+             "valid bits/byte", "train loss (last 50)", "step ms (median)", "vs fp32",
+             "skipped steps", "final scale"]
   return _common.markdown_table(headers, rows)
 
 
@@ -248,8 +268,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI)")
   p.add_argument("--out", type=Path, default=None,
                  help="results folder (default examples/results; a smoke run writes only with --out)")
+  p.add_argument("--masters", default="",
+                 help="also train the bf16 mode with lean master weights, a comma-separated "
+                      f"subset of {', '.join(m for m in MASTERS if m != 'f32')} "
+                      "(results go to char_lm_masters.*)")
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
+  args.masters = [m for m in args.masters.split(",") if m]
+  bad = [m for m in args.masters if m not in MASTERS or m == "f32"]
+  if bad:
+    p.error(f"--masters must be a comma-separated subset of "
+            f"{tuple(m for m in MASTERS if m != 'f32')}, got {bad[0]!r}")
   for name in ("steps", "batch", "seq_len", "hidden", "layers"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -267,11 +296,13 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   valid_chunks = streams(valid_tokens, args.batch, args.seq_len)
   model = LSTMLM(hidden=args.hidden, layers=args.layers)
   params = init_params(model, train_chunks[0][0], args.seed)  # shared by the three modes
+  runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
   results = [
       run(mode, train_chunks, valid_chunks, hidden=args.hidden, layers=args.layers,
           steps=args.steps, lr=args.lr, seed=args.seed, init_scale=args.init_scale,
-          growth_interval=args.growth_interval, params=params, progress=not args.no_progress)
-      for mode in MODES
+          growth_interval=args.growth_interval, params=params, progress=not args.no_progress,
+          masters=masters)
+      for mode, masters in runs
   ]
   text = table(results)
   passes = args.steps / len(train_chunks[0])
@@ -280,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         f"{args.steps} steps ({passes:.2f} passes over the train text) per mode; "
         f"{_common.machine()}\n")
   print(text)
+  for r in results:
+    if r.masters != "f32":
+      gap = r.valid_bpb / results[0].valid_bpb - 1.0
+      print(f"  {r.masters} masters: validation bits/byte {100 * gap:+.2f}% vs fp32 "
+            f"({'within' if abs(gap) <= 0.01 else 'NOT within'} 1%)")
 
   out = args.out if args.out is not None else (None if args.smoke else _common.RESULTS_DIR)
   if out is None:
@@ -294,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
           for r in results
       ],
   }
-  written = _common.write_results(out, "char_lm", text, payload)
+  written = _common.write_results(out, "char_lm_masters" if args.masters else "char_lm", text,
+                                  payload)
   print("wrote " + ", ".join(str(p) for p in written))
   return results
 

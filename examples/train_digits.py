@@ -41,6 +41,13 @@ import _common
 
 MODES = ("fp32", "bf16", "f16")
 POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16"}
+# Lean master weights (--masters): TrainState.create arguments, run under the bf16 policy.
+MASTERS = {
+    "f32": {},
+    "bf16-nearest": dict(master_dtype=jnp.bfloat16, rounding="nearest"),
+    "bf16-stochastic": dict(master_dtype=jnp.bfloat16, rounding="stochastic"),
+    "bf16-kahan": dict(master_dtype=jnp.bfloat16, rounding="kahan"),
+}
 
 
 class CNN(nn.Module):
@@ -95,6 +102,7 @@ class Result:
   losses: np.ndarray  # per step, unscaled float32
   scales: np.ndarray  # per step, the scale used for that step
   finite: np.ndarray  # per step, bool
+  masters: str = "f32"  # a key of MASTERS
 
 
 def make_tx(mode: str, *, lr: float, init_scale: float, growth_interval: int):
@@ -118,14 +126,19 @@ def run(
     data: Data | None = None,
     params=None,
     progress: bool = True,
+    masters: str = "f32",
 ) -> Result:
   """Trains the CNN in one precision ``mode`` and returns its :class:`Result`.
 
   ``data`` defaults to :func:`load_data` and ``params`` (the initial weights) to
   :func:`init_params`, both from ``seed``; pass them to share them across modes.
+  ``masters`` picks the master weights (a key of :data:`MASTERS`; bf16 masters
+  need a stochastic-rounding key, made from ``seed``).
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if masters not in MASTERS:
+    raise ValueError(f"masters must be one of {tuple(MASTERS)}, got {masters!r}")
   if epochs < 1 or batch < 1:
     raise ValueError(f"epochs and batch must be >= 1, got epochs={epochs!r}, batch={batch!r}")
   data = data if data is not None else load_data(seed)
@@ -145,7 +158,10 @@ def run(
   # private copy of the weights: the train step donates (deletes) its buffers.
   params = jax.tree.map(jnp.copy, params if params is not None else init_params(seed))
   tx = make_tx(mode, lr=lr, init_scale=init_scale, growth_interval=growth_interval)
-  state = jmp.TrainState.create(params=params, tx=tx)
+  lean = dict(MASTERS[masters])
+  if lean.get("rounding") == "stochastic":
+    lean["key"] = jax.random.key(seed)
+  state = jmp.TrainState.create(params=params, tx=tx, **lean)
   step = jmp.make_train_step(loss_fn, policy)
 
   n = len(data.y_train)
@@ -157,7 +173,8 @@ def run(
   order = np.concatenate(order)[:max_steps]
 
   times, metrics = [], []
-  for idx in _common.progress(order, desc=f"{mode:>4}", total=len(order), enabled=progress):
+  desc = mode if masters == "f32" else f"{mode}/{masters}"
+  for idx in _common.progress(order, desc=f"{desc:>4}", total=len(order), enabled=progress):
     b = {"x": data.x_train[idx], "y": data.y_train[idx]}
     (state, m), seconds = _common.timed_step(step, state, b)
     times.append(seconds)
@@ -175,14 +192,17 @@ def run(
       losses=np.array([m["loss"] for m in metrics], np.float32),
       scales=np.array([m["loss_scale"] for m in metrics], np.float32),
       finite=finite,
+      masters=masters,
   )
 
 
 def table(results: Sequence[Result]) -> str:
   base = next((r for r in results if r.mode == "fp32"), results[0])
+  lean = any(r.masters != "f32" for r in results)  # a masters column only when it varies
   rows = [
       [
           r.mode,
+          *([r.masters] if lean else []),
           r.policy,
           f"{r.accuracy:.2f}",
           f"{r.step_ms:.2f}",
@@ -193,8 +213,8 @@ def table(results: Sequence[Result]) -> str:
       ]
       for r in results
   ]
-  headers = ["mode", "policy", "test acc %", "step ms (median)", "vs fp32",
-             "skipped steps", "final scale", "last loss"]
+  headers = ["mode", *(["masters"] if lean else []), "policy", "test acc %", "step ms (median)",
+             "vs fp32", "skipped steps", "final scale", "last loss"]
   return _common.markdown_table(headers, rows)
 
 
@@ -209,7 +229,8 @@ def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
   kernel = np.ones(window) / window
   for r in results:
     smooth = np.convolve(r.losses, kernel, mode="valid")
-    ax1.plot(np.arange(len(smooth)) + window, smooth, label=f"{r.mode} ({r.accuracy:.1f}%)")
+    name = r.mode if r.masters == "f32" else f"{r.mode}, {r.masters} masters"
+    ax1.plot(np.arange(len(smooth)) + window, smooth, label=f"{name} ({r.accuracy:.1f}%)")
   ax1.set(yscale="log", xlabel="step", ylabel=f"train loss (mean of {window} steps)",
           title="Loss curves on load_digits")
   ax1.legend()
@@ -239,10 +260,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--smoke", action="store_true", help="a few steps per mode (CI)")
   p.add_argument("--out", type=Path, default=None,
                  help="results folder (default examples/results; a smoke run writes only with --out)")
+  p.add_argument("--masters", default="",
+                 help="also train the bf16 mode with lean master weights, a comma-separated "
+                      f"subset of {', '.join(m for m in MASTERS if m != 'f32')} "
+                      "(results go to digits_masters.*)")
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
   if args.epochs < 1 or args.batch < 1:
     p.error(f"--epochs and --batch must be >= 1, got {args.epochs} and {args.batch}")
+  args.masters = [m for m in args.masters.split(",") if m]
+  bad = [m for m in args.masters if m not in MASTERS or m == "f32"]
+  if bad:
+    p.error(f"--masters must be a comma-separated subset of "
+            f"{tuple(m for m in MASTERS if m != 'f32')}, got {bad[0]!r}")
   return args
 
 
@@ -252,11 +282,13 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   params = init_params(args.seed)
   max_steps = 8 if args.smoke else None
   epochs = 1 if args.smoke else args.epochs
+  runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
   results = [
       run(mode, epochs=epochs, batch=args.batch, seed=args.seed, lr=args.lr,
           init_scale=args.init_scale, growth_interval=args.growth_interval,
-          max_steps=max_steps, data=data, params=params, progress=not args.no_progress)
-      for mode in MODES
+          max_steps=max_steps, data=data, params=params, progress=not args.no_progress,
+          masters=masters)
+      for mode, masters in runs
   ]
   steps = len(results[0].losses)
   text = table(results)
@@ -267,12 +299,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   gap = max(abs(r.accuracy - base) for r in results[1:])
   print(f"\nlargest accuracy gap to fp32: {gap:.2f} points "
         f"({'within' if gap <= 1.0 else 'NOT within'} 1 point)")
+  for r in results:
+    if r.masters != "f32":
+      diff = r.accuracy - base
+      print(f"  {r.masters} masters: {diff:+.2f} points vs fp32 "
+            f"({'within' if abs(diff) <= 1.0 else 'NOT within'} 1 point)")
 
   out = args.out if args.out is not None else (None if args.smoke else _common.RESULTS_DIR)
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results
-  png = out / "digits.png"
+  name = "digits_masters" if args.masters else "digits"
+  png = out / f"{name}.png"
   out.mkdir(parents=True, exist_ok=True)
   plot(results, png, per_epoch=len(data.y_train) // args.batch)
   payload = {
@@ -283,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
           for r in results
       ],
   }
-  written = _common.write_results(out, "digits", text, payload)
+  written = _common.write_results(out, name, text, payload)
   print("wrote " + ", ".join(str(p) for p in [png, *written]))
   return results
 

@@ -16,6 +16,7 @@ from jmp_lite._src.loss_scale import NoOpLossScale
 from jmp_lite._src.loss_scale import StaticLossScale
 from jmp_lite._src.loss_scale import all_finite
 from jmp_lite._src.loss_scale import select_tree
+from jmp_lite._src.masters import apply_updates
 from jmp_lite._src.policy import Policy
 from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
@@ -43,6 +44,7 @@ __all__ = (
     "StaticLossScale",
     "TrainState",
     "all_finite",
+    "apply_updates",
     "cast_to_full",
     "cast_to_half",
     "dynamic_loss_scaling",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,10 +16,12 @@ EXAMPLES = ROOT / "examples"
 MODE_ROWS = ("| fp32 ", "| bf16 ", "| f16 ")
 
 
-def _run_smoke(script: str, out: Path) -> subprocess.CompletedProcess:
-  env = {**os.environ, "MPLBACKEND": "Agg"}
+def _run_smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+  # PYTHONPATH: the scripts import the jmp_lite of this checkout, even where
+  # another checkout is the one installed.
+  env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
   return subprocess.run(
-      [sys.executable, str(Path("examples") / script), "--smoke", "--out", str(out)],
+      [sys.executable, str(Path("examples") / script), "--smoke", "--out", str(out), *args],
       cwd=ROOT,
       env=env,
       capture_output=True,
@@ -96,3 +99,73 @@ def test_digits_cli_rejects_bad_sizes(train_digits, argv, capsys):
     train_digits.parse_args(argv)
   assert exc.value.code == 2
   assert argv[0] in capsys.readouterr().err
+
+
+def test_weight_updates_smoke_shows_the_stall(tmp_path):
+  proc = _run_smoke("weight_updates.py", tmp_path, "--no-progress")
+  assert proc.returncode == 0, f"weight_updates.py failed:\n{proc.stdout}\n{proc.stderr}"
+  payload = json.loads((tmp_path / "weight_updates.json").read_text())
+  rows = {r["mode"]: r for r in payload["results"]}
+  assert list(rows) == ["fp32", "bf16-nearest", "bf16-stochastic", "bf16-kahan"]
+  assert payload["config"]["smoke"] is True and payload["lr_over_half_ulp"]["fraction_below_1"] > 0.9
+  # Even 30 steps show it: nearest-rounded bf16 masters keep nearly every weight.
+  assert rows["bf16-nearest"]["moved"] < 10.0 < rows["bf16-kahan"]["moved"]
+  assert rows["fp32"]["moved"] == 100.0
+  assert [rows[m]["master_bytes"] for m in rows] == [4, 2, 2, 4]
+  assert "| bf16-stochastic |" in (tmp_path / "weight_updates.md").read_text()
+  png = (tmp_path / "weight_updates.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_digits_masters_flag_adds_lean_runs_and_keeps_default_files(train_digits, tmp_path,
+                                                                    monkeypatch, capsys):
+  """The flag's plumbing, with training stubbed out (the real runs are tested below)."""
+  calls = []
+
+  def fake_run(mode, *, masters="f32", **kwargs):
+    calls.append((mode, masters))
+    n = 4
+    return train_digits.Result(
+        mode=mode, policy=train_digits.POLICIES[mode], accuracy=97.0 + 0.1 * len(calls),
+        step_ms=1.0, skipped=0, final_scale=1.0, losses=np.linspace(1.0, 0.1, n, dtype=np.float32),
+        scales=np.ones(n, np.float32), finite=np.ones(n, bool), masters=masters)
+
+  monkeypatch.setattr(train_digits, "run", fake_run)
+  train_digits.main(["--smoke", "--no-progress", "--out", str(tmp_path),
+                     "--masters", "bf16-stochastic,bf16-kahan"])
+  assert calls == [("fp32", "f32"), ("bf16", "f32"), ("f16", "f32"),
+                   ("bf16", "bf16-stochastic"), ("bf16", "bf16-kahan")]
+  assert not (tmp_path / "digits.json").exists()  # the default results stay as they are
+  payload = json.loads((tmp_path / "digits_masters.json").read_text())
+  assert [r["masters"] for r in payload["results"]] == [m for _, m in calls]
+  out = capsys.readouterr().out
+  assert "| mode | masters         | policy " in out
+  assert "bf16-kahan masters: +0.40 points vs fp32 (within 1 point)" in out
+  assert (tmp_path / "digits_masters.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_digits_lean_masters_match_fp32_accuracy(train_digits):
+  data = train_digits.load_data(seed=0)
+  params = train_digits.init_params(seed=0)
+  run = lambda mode, masters: train_digits.run(
+      mode, epochs=10, lr=3e-3, seed=0, data=data, params=params, progress=False, masters=masters)
+  fp32 = run("fp32", "f32").accuracy
+  assert fp32 >= 95.0
+  for masters in ("bf16-stochastic", "bf16-kahan"):
+    result = run("bf16", masters)
+    assert abs(result.accuracy - fp32) <= 1.0, (masters, result.accuracy, fp32)
+    assert result.masters == masters and result.skipped == 0
+
+
+@pytest.mark.parametrize("script", ["train_digits", "char_lm"])
+def test_masters_flag_rejects_unknown_names(monkeypatch, capsys, script):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  for mod in (script, "_common"):
+    monkeypatch.delitem(sys.modules, mod, raising=False)
+  module = __import__(script)
+  with pytest.raises(SystemExit) as exc:
+    module.parse_args(["--masters", "bf16-stochastic,f16-kahan"])
+  assert exc.value.code == 2
+  assert "'f16-kahan'" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="masters must be one of"):
+    module.run("bf16", *(() if script == "train_digits" else (None, None)), masters="fp8")

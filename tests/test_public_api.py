@@ -17,6 +17,8 @@ DOCUMENTED = {
     "loss_scale_of", "skipped_steps_of",
     # The train step.
     "TrainState", "make_train_step",
+    # Lean master weights.
+    "apply_updates",
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "gradient_report",
     "nonfinite_paths", "precision_lint",
@@ -73,3 +75,15 @@ def test_readme_loss_scaling_example_runs():
   state = namespace["new_opt_state"]
   assert float(jmp_lite.loss_scale_of(state)) == 2.0**14
   assert int(jmp_lite.skipped_steps_of(state)) == 1
+
+
+def test_readme_lean_masters_example_runs():
+  readme = (ROOT / "README.md").read_text()
+  section = readme[readme.index("### In a plain optax loop"):]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  namespace = {}
+  exec(compile(code, "README-lean-masters", "exec"), namespace)
+  params, to_f32 = namespace["params"], namespace["to_f32"]
+  assert params["w"].dtype == params["b"].dtype == namespace["comp"]["w"].dtype == "bfloat16"
+  loss = namespace["loss_fn"](to_f32(params), namespace["x"], namespace["y"])
+  assert float(loss) < 1e-3

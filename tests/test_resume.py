@@ -60,13 +60,18 @@ def make_tx(**overrides):
   return jmp.dynamic_loss_scaling(optax.adamw(optax.cosine_decay_schedule(3e-3, STEPS)), **config)
 
 
+def _key_data(x):
+  return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
 def assert_bit_equal(a, b):
   if isinstance(a, jmp.TrainState):  # compare the arrays; tx is a (static) function pair
-    a, b = (a.step, a.params, a.opt_state), (b.step, b.params, b.opt_state)
+    assert (a.master_dtype, a.rounding) == (b.master_dtype, b.rounding)
+    a, b = [(s.step, s.params, s.opt_state, s.compensation, s.rounding_key) for s in (a, b)]
   la, ta = jax.tree.flatten(a)
   lb, tb = jax.tree.flatten(b)
   assert ta == tb
-  for x, y in zip(la, lb):
+  for x, y in zip(map(_key_data, la), map(_key_data, lb)):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape
     np.testing.assert_array_equal(x.view(f"u{x.dtype.itemsize}"), y.view(f"u{y.dtype.itemsize}"))
@@ -115,6 +120,50 @@ def test_kill_and_resume_is_bit_for_bit(tmp_path, first_step):
   print(f"saved and resumed at step {save_at}")  # shown if the comparison fails
   assert_bit_equal(resumed, uninterrupted)
   assert int(resumed.params["calls"]) == 11 and resumed.params["calls"].dtype == jnp.int32
+
+
+LEAN = {
+    "stochastic": dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(11)),
+    "kahan": dict(master_dtype=jnp.bfloat16, rounding="kahan"),
+}
+
+
+@pytest.mark.parametrize(
+    "rounding, template", [("stochastic", "eval_shape"), ("kahan", "create")]
+)
+def test_lean_masters_resume_bit_for_bit(tmp_path, rounding, template):
+  """bf16 masters, the Kahan compensation and the stochastic-rounding key survive a restore."""
+  batches = make_batches(1)
+  save_at = int(np.random.default_rng().integers(1, STEPS - 1))
+  state = jmp.TrainState.create(params=make_params(), tx=make_tx(), **LEAN[rounding])
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"))
+  for t, batch in enumerate(batches):
+    if t == save_at:
+      save(tmp_path / "ckpt", state)
+    state, _ = step(state, batch)
+  uninterrupted = state
+  if rounding == "kahan":
+    assert any(np.any(np.asarray(c) != 0) for c in jax.tree.leaves(state.compensation))
+
+  tx = make_tx()
+  build = lambda: jmp.TrainState.create(params=make_params(), tx=tx, **LEAN[rounding])
+  target = build() if template == "create" else jax.eval_shape(build)
+  resumed = restore(tmp_path / "ckpt", target)
+  assert resumed.params["w1"].dtype == jnp.bfloat16 and int(resumed.step) == save_at
+  if rounding == "stochastic":
+    assert jax.dtypes.issubdtype(resumed.rounding_key.dtype, jax.dtypes.prng_key)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"))
+  for batch in batches[save_at:]:
+    resumed, _ = step(resumed, batch)
+  print(f"saved and resumed at step {save_at}")
+  assert_bit_equal(resumed, uninterrupted)
+
+
+def test_lean_checkpoint_into_a_float32_template_is_a_clear_error(tmp_path):
+  state = jmp.TrainState.create(params=make_params(), tx=make_tx(), **LEAN["kahan"])
+  save(tmp_path / "ckpt", state)
+  with pytest.raises(ValueError, match=r"tree structures do not match|compensation"):
+    restore(tmp_path / "ckpt", jmp.TrainState.create(params=make_params(), tx=make_tx()))
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """The same train step on 1 device, a 1-D data mesh and a 2-D (data, model) mesh.
 
+With float32 masters, and with bf16 masters (stochastic rounding and Kahan).
+
 Runs in one subprocess with 4 host-platform CPU devices, since the device count
 is fixed when JAX starts.
 """
@@ -42,17 +44,20 @@ CHILD = textwrap.dedent(
     tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**8)
     step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
 
-    def run(param_shardings=None, batch_sharding=None):
+    def run(param_shardings=None, batch_sharding=None, **lean):
       p = params
       if param_shardings is not None:
         p = jax.tree.map(jax.device_put, params, param_shardings)
-      state = jmp.TrainState.create(params=jax.tree.map(jnp.copy, p), tx=tx)
+      state = jmp.TrainState.create(params=jax.tree.map(jnp.copy, p), tx=tx, **lean)
+      if param_shardings is not None:
+        check_lean_placement(state, param_shardings)
       for b in batches:
         if batch_sharding is not None:
           b = jax.device_put(b, batch_sharding)
         state, metrics = step(state, b)
         assert bool(metrics["grads_finite"])
       before = jax.tree.map(np.asarray, state.params)
+      comp_before = jax.tree.map(np.asarray, state.compensation)
       if batch_sharding is not None:
         bad_b = jax.device_put(bad, batch_sharding)
         assert len(bad_b["x"].sharding.device_set) == 4
@@ -61,12 +66,32 @@ CHILD = textwrap.dedent(
       state, metrics = step(state, bad_b)
       assert not bool(metrics["grads_finite"])
       assert float(jmp.loss_scale_of(state.opt_state)) == 2.0**7
-      # Every device skipped: every shard of every param is unchanged, bit for bit.
-      for name, leaf in state.params.items():
-        for shard in leaf.addressable_shards:
-          np.testing.assert_array_equal(np.asarray(shard.data), before[name][shard.index])
-          assert np.asarray(shard.data).tobytes() == before[name][shard.index].tobytes(), name
+      # Every device skipped: every shard of every param (and of the Kahan
+      # compensation) is unchanged, bit for bit.
+      trees = [(state.params, before)]
+      if state.compensation is not None:
+        trees.append((state.compensation, comp_before))
+      for tree, old in trees:
+        for name, leaf in tree.items():
+          if leaf is None:
+            continue
+          for shard in leaf.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == old[name][shard.index].tobytes(), name
+      if param_shardings is not None:
+        check_lean_placement(state, param_shardings)
       return state, before
+
+    def check_lean_placement(state, shardings):
+      # The compensation follows the params' sharding; the key is replicated
+      # over the params' mesh.
+      if state.compensation is not None:
+        for name, c in state.compensation.items():
+          if c is not None:
+            assert c.sharding.is_equivalent_to(state.params[name].sharding, c.ndim), name
+            assert c.sharding.is_equivalent_to(shardings[name], c.ndim), name
+      if state.rounding_key is not None:
+        mesh = shardings["w1"].mesh
+        assert state.rounding_key.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
 
     single, single_params = run()
     assert len(single.params["w1"].sharding.device_set) == 1
@@ -95,6 +120,34 @@ CHILD = textwrap.dedent(
     for state in (dp, mp):
       for leaf in jax.tree.leaves(state.opt_state):
         assert np.isfinite(np.asarray(leaf)).all()
+
+    # Lean bf16 masters, on one device and on the 2-D mesh (the same step
+    # object: it compiles once per layout).
+    for lean in (dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(9)),
+                 dict(master_dtype=jnp.bfloat16, rounding="kahan")):
+      lean_single, ls_params = run(**lean)
+      lean_mp, lmp_params = run(model_shardings, NamedSharding(mesh, P("data")), **lean)
+      for state in (lean_single, lean_mp):
+        assert state.params["w1"].dtype == jnp.bfloat16
+      assert lean_mp.params["w1"].sharding.is_equivalent_to(model_shardings["w1"], 2)
+      for name in ("w1", "b1", "w2"):
+        # Reduction order differs between layouts; bf16 keeps 8 bits.
+        np.testing.assert_allclose(lmp_params[name].astype(np.float32),
+                                   ls_params[name].astype(np.float32), rtol=2e-2, atol=2e-3)
+      assert int(lmp_params["count"]) == 5
+
+    # Stochastic rounding draws the same bits whatever the layout: a sharded
+    # apply_updates equals the single-device one bit for bit.
+    lean_params = {k: v.astype(jnp.bfloat16) for k, v in params.items() if k != "count"}
+    updates = {k: jnp.full(v.shape, 1e-3, jnp.float32) for k, v in lean_params.items()}
+    apply = jax.jit(lambda p, u, k: jmp.apply_updates(p, u, rounding="stochastic", key=k)[0])
+    key = jax.random.key(4)
+    one = apply(lean_params, updates, key)
+    placed = lambda t: {k: jax.device_put(v, model_shardings[k]) for k, v in t.items()}
+    many = apply(placed(lean_params), placed(updates), key)
+    for name in one:
+      assert len(many[name].sharding.device_set) == 4
+      assert np.asarray(many[name]).tobytes() == np.asarray(one[name]).tobytes(), name
     print("ok")
     """
 )

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from jmp_lite._src import checks
+from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import skip
 from jmp_lite._src import transform
@@ -48,58 +49,92 @@ _ALIASED_MSG = (
 )
 
 
-APPLY_IN_GUARD = True
-
-
-def _own_leaf(x: Any) -> Any:
+def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
   """The state's own copy of a params leaf (see :meth:`TrainState.create`)."""
   if isinstance(x, bool):
     return jnp.asarray(x, jnp.bool_)
   if isinstance(x, int):
     return jnp.asarray(x, jnp.int32)
   if isinstance(x, float):
-    return jnp.asarray(x, jnp.float32)
+    return jnp.asarray(x, master_dtype)
+  if master_dtype == masters.BFLOAT16 and tree_utils.is_floating_array(x):
+    return jnp.array(x, dtype=master_dtype, copy=True)
   if tree_utils.is_floating_array(x) and jnp.finfo(x.dtype).bits < 32:
     return jnp.asarray(x, jnp.float32)
   # A fresh, strongly typed buffer: donation only ever consumes the state's own.
   if isinstance(x, jax.Array):
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
-      return jax.random.wrap_key_data(jnp.array(jax.random.key_data(x), copy=True),
-                                      impl=jax.random.key_impl(x))
+      return _own_key(x)
     return jnp.array(x, dtype=x.dtype, copy=True)
   if tree_utils.is_inexact_array(x):  # NumPy floating: a jax array, as before.
     return jnp.array(x, copy=True)
   return x
 
 
+def _own_key(key: jax.Array) -> jax.Array:
+  return jax.random.wrap_key_data(jnp.array(jax.random.key_data(key), copy=True),
+                                  impl=jax.random.key_impl(key))
+
+
+def _replicated_like(key: jax.Array, params: Any) -> jax.Array:
+  """``key`` replicated over the mesh of the first mesh-sharded params leaf, if any.
+
+  A key committed to one device next to params on a mesh would make the jitted
+  step refuse its arguments ("incompatible devices").
+  """
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      return jax.device_put(key, replicated)
+  return key
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-  """Step counter, fp32 master params and optimizer state. A pytree.
+  """Step counter, master params and optimizer state. A pytree.
 
-  ``step``, ``params`` and ``opt_state`` are pytree children; ``tx`` is static.
-  Build it with :meth:`create`. It checkpoints with
-  ``orbax.checkpoint.StandardCheckpointer`` and restores into a template made by
-  :meth:`create`.
+  ``step``, ``params``, ``opt_state``, ``compensation`` and ``rounding_key``
+  are pytree children (``None`` is an empty child); ``tx``, ``master_dtype``
+  and ``rounding`` are static. Build it with :meth:`create`. It checkpoints
+  with ``orbax.checkpoint.StandardCheckpointer`` and restores into a template
+  made by :meth:`create` with the same arguments.
 
   Attributes:
     step: int32 scalar, the number of steps taken (skipped steps included);
       it saturates at ``2**31 - 1``.
-    params: master params. Floating leaves are float32 (or float64); other
-      leaves (int counters, PRNG keys) are kept as they are and never updated.
-    opt_state: ``tx``'s state over the floating leaves of ``params``
-      (non-floating leaves are ``None`` holes).
+    params: master params. Floating leaves are float32 (or float64), or
+      bfloat16 with ``master_dtype=bfloat16``; other leaves (int counters,
+      PRNG keys) are kept as they are and never updated.
+    opt_state: ``tx``'s state over the float32 view of the floating leaves of
+      ``params`` (non-floating leaves are ``None`` holes).
     tx: the optax transformation.
+    compensation: with ``rounding="kahan"``, a bfloat16 array per bfloat16
+      leaf of ``params`` (``None`` at the other leaves) holding what rounding
+      the last update lost; else ``None``.
+    rounding_key: with ``rounding="stochastic"``, the PRNG key that step
+      ``t`` rounds with, as ``jax.random.fold_in(rounding_key, t)``; it never
+      changes. Else ``None``.
     model_state: non-trainable model state (Flax ``batch_stats``, NNX RNG
       counts and other non-param variables), or ``None``. The step passes it
       to ``loss_fn`` and stores what ``loss_fn`` returns for it, except on a
       skipped step; it is never differentiated and has no optimizer state.
+    master_dtype: ``float32`` (the default) or ``bfloat16``.
+    rounding: how updates are written back to bfloat16 masters:
+      ``"nearest"``, ``"stochastic"`` or ``"kahan"``.
   """
 
   step: jax.Array
   params: optax.Params
   opt_state: optax.OptState
   tx: optax.GradientTransformation = dataclasses.field(metadata=dict(static=True))
+  compensation: optax.Params | None = None
+  rounding_key: jax.Array | None = None
   model_state: Any = None
+  master_dtype: np.dtype = dataclasses.field(
+      default=masters.FLOAT32, metadata=dict(static=True)
+  )
+  rounding: str = dataclasses.field(default="nearest", metadata=dict(static=True))
 
   @classmethod
   def create(
@@ -107,49 +142,97 @@ class TrainState:
       *,
       params: optax.Params,
       tx: optax.GradientTransformation,
+      master_dtype: Any = jnp.float32,
+      rounding: str = "nearest",
+      key: jax.Array | None = None,
       model_state: Any = None,
   ) -> "TrainState":
     """A fresh state: step 0, master params and ``tx.init`` over them.
 
     The state owns its buffers: every array leaf is copied once, so a donating
-    step only ever deletes the state's arrays, never the caller's. Floating
-    leaves narrower than float32 (bf16, f16, f8) become float32, so the state
-    always holds full-precision master weights; float32, float64 and complex
-    leaves keep their dtype. Python numbers become strongly typed arrays
-    (float32, int32, bool), and weakly typed arrays become strong, so that
-    every step sees the same types. Non-floating leaves (int counters, PRNG
-    keys) are kept (copied); ``tx.init`` sees ``None`` in their place.
+    step only ever deletes the state's arrays, never the caller's. With
+    ``master_dtype=jnp.float32`` (the default), floating leaves narrower than
+    float32 (bf16, f16, f8) become float32, so the state holds full-precision
+    master weights; float32, float64 and complex leaves keep their dtype. With
+    ``master_dtype=jnp.bfloat16`` every floating leaf becomes bfloat16 (lean
+    masters, 2 bytes per weight); :func:`make_train_step` computes each update
+    in float32 and writes it back with ``rounding``. Python numbers become
+    strongly typed arrays (a float in the master dtype, int32, bool), and
+    weakly typed arrays become strong, so that every step sees the same types.
+    Non-floating leaves (int counters, PRNG keys) are kept (copied);
+    ``tx.init`` sees ``None`` in their place, and a float32 view of the
+    floating ones, so the optimizer state is float32 whatever the masters.
 
     Args:
       params: a pytree of parameters.
       tx: an optax transformation, usually wrapped in
         :func:`dynamic_loss_scaling` or :func:`static_loss_scaling`
         (outermost).
+      master_dtype: ``jnp.float32`` or ``jnp.bfloat16``. float16 is refused:
+        its narrow exponent makes small weights and Kahan compensations
+        subnormal (see the README's "Lean master weights").
+      rounding: ``"nearest"`` (the only choice for float32 masters),
+        ``"stochastic"`` (unbiased; needs ``key``) or ``"kahan"`` (a bfloat16
+        compensation buffer per floating leaf).
+      key: a PRNG key (``jax.random.key(seed)``), required for (and only for)
+        ``rounding="stochastic"``. The state keeps its own copy, replicated
+        over the params' mesh when they are sharded.
       model_state: optional non-trainable state (see the class docstring),
-        owned and normalised like ``params`` (floating leaves in float32).
+        owned and normalised like float32 ``params`` (floating leaves in
+        float32, whatever ``master_dtype``).
 
     Returns:
       A ``TrainState`` with ``step`` 0 (int32).
 
     Raises:
-      TypeError: if ``tx`` is not an optax transformation.
+      TypeError: if ``tx`` is not an optax transformation, ``master_dtype`` is
+        not a dtype, ``rounding`` not a string or ``key`` not a PRNG key.
       ValueError: if ``tx`` holds a loss-scaling transformation that is not
-        outermost, or more than one.
+        outermost, or more than one; for a ``master_dtype`` other than
+        float32 and bfloat16, an unknown ``rounding``, a ``rounding`` other
+        than ``"nearest"`` with float32 masters, or a missing or superfluous
+        ``key``.
 
     Examples:
-      >>> import jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax
       >>> import jmp_lite as jmp
       >>> state = jmp.TrainState.create(params={"w": jnp.ones(2, jnp.bfloat16)}, tx=optax.sgd(0.1))
       >>> state.params["w"].dtype, state.step.dtype
       (dtype('float32'), dtype('int32'))
+      >>> lean = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.adam(1e-3),
+      ...                              master_dtype=jnp.bfloat16, rounding="kahan")
+      >>> lean.params["w"].dtype, lean.compensation["w"].dtype, lean.opt_state[0].mu["w"].dtype
+      (dtype(bfloat16), dtype(bfloat16), dtype('float32'))
     """
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
       raise TypeError(f"tx must be an optax transformation, got {tx!r}")
-    params = jax.tree.map(_own_leaf, params)
-    opt_state = tx.init(_trained_part(params))
+    master_dtype = masters.check_master_dtype(master_dtype)
+    rounding = masters.check_rounding(rounding)
+    masters.check_config(master_dtype, rounding)
+    if rounding == "stochastic" and key is None:
+      raise ValueError(
+          "rounding='stochastic' needs a PRNG key: TrainState.create(..., key=jax.random.key(seed))"
+      )
+    if rounding != "stochastic" and key is not None:
+      raise ValueError(f"key is only used with rounding='stochastic', got rounding={rounding!r}")
+    params = jax.tree.map(lambda x: _own_leaf(x, master_dtype), params)
+    compensation = masters.zero_compensation(params) if rounding == "kahan" else None
+    rounding_key = None
+    if key is not None:
+      rounding_key = _replicated_like(_own_key(masters.as_key(key)), params)
+    opt_state = tx.init(_trained_part(masters.float32_view(params)))
     transform.check_outermost(tx, opt_state)
-    return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx,
-               model_state=jax.tree.map(_own_leaf, model_state))
+    return cls(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        tx=tx,
+        compensation=compensation,
+        rounding_key=rounding_key,
+        model_state=jax.tree.map(lambda x: _own_leaf(x, masters.FLOAT32), model_state),
+        master_dtype=master_dtype,
+        rounding=rounding,
+    )
 
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
@@ -174,15 +257,48 @@ def _check_loss(loss: Any, has_aux: bool) -> jax.Array:
   return loss
 
 
-def _check_master_params(params: optax.Params) -> None:
-  """Refuses half-precision masters (runs at trace time, so once per compile)."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if tree_utils.is_floating_array(leaf) and jnp.finfo(leaf.dtype).bits < 32:
+def _check_masters(state: TrainState) -> None:
+  """Refuses masters the state does not declare (runs at trace time, so once per compile).
+
+  float32 masters (the default) must be float32 or float64; bfloat16 masters
+  must all be bfloat16, with the compensation or key their rounding needs.
+  """
+  master_dtype = masters.check_master_dtype(state.master_dtype)
+  rounding = masters.check_rounding(state.rounding)
+  masters.check_config(master_dtype, rounding)
+  lean = master_dtype == masters.BFLOAT16
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+    if not tree_utils.is_floating_array(leaf):
+      continue
+    if lean and leaf.dtype != master_dtype:
+      raise TypeError(
+          f"state.params must hold bfloat16 master weights (the state's master_dtype), "
+          f"but {tree_utils.path_str(path)!r} is {leaf.dtype}; build the state with "
+          "TrainState.create(..., master_dtype=jnp.bfloat16), which casts every floating leaf"
+      )
+    if not lean and jnp.finfo(leaf.dtype).bits < 32:
       raise TypeError(
           f"state.params must hold float32 (or float64) master weights, but "
           f"{tree_utils.path_str(path)!r} is {leaf.dtype}; build the state with "
-          "TrainState.create, which upcasts half-precision params"
+          "TrainState.create, which upcasts half-precision params (or pass "
+          "master_dtype=jnp.bfloat16 to it for lean bfloat16 masters)"
       )
+  if rounding != "kahan" and state.compensation is not None:
+    raise ValueError(f"state.compensation is only used with rounding='kahan', got {rounding!r}")
+  if rounding != "stochastic" and state.rounding_key is not None:
+    raise ValueError(f"state.rounding_key is only used with rounding='stochastic', got {rounding!r}")
+
+
+def _rounding_key(state: TrainState) -> jax.Array | None:
+  """Step ``t``'s key, ``fold_in(rounding_key, t)``; ``None`` unless stochastic."""
+  if state.rounding != "stochastic":
+    return None
+  if state.rounding_key is None:
+    raise ValueError(
+        "state.rounding_key is missing: rounding='stochastic' needs one; build the "
+        "state with TrainState.create(..., key=jax.random.key(seed))"
+    )
+  return jax.random.fold_in(masters.as_key(state.rounding_key), state.step)
 
 
 def _split_aux(
@@ -438,21 +554,31 @@ def make_train_step(
     loss    = loss_fn(p_c, cast floating batch leaves to policy.compute_dtype)
     grads   = d(float32(loss) * scale) / d(master params)   # through the cast
     updates, opt_state = tx.update(grads, opt_state, params, value=loss)
-    params  = optax.apply_updates(params, updates)
+    params  = apply_updates(params, updates, rounding=state.rounding, ...)
 
   Only ``loss_fn``'s view of the params is in ``policy.compute_dtype``
   (``keep_full`` leaves stay float32): the gradients, the optimizer update and
-  the stored params are float32. ``policy.param_dtype`` and ``output_dtype`` are
-  not used by the step. Non-floating leaves of params (int counters, PRNG keys)
-  and of the batch (labels) are passed through as they are; param ones are not
-  differentiated and come back unchanged.
+  the stored params are float32. With bfloat16 masters
+  (``TrainState.create(..., master_dtype=jnp.bfloat16, rounding=...)``) the
+  "master params" above are their float32 view ``float32(p)`` (with
+  ``rounding="kahan"`` the compensation only enters the write-back):
+  ``loss_fn``, the gradients and ``tx`` see float32 exactly as with float32
+  masters, and only the write-back rounds to bfloat16, as
+  :func:`apply_updates` does; step ``t`` rounds stochastically with
+  ``jax.random.fold_in(state.rounding_key, t)``.
+  ``policy.param_dtype`` and ``output_dtype`` are not used by the step.
+  Non-floating leaves of params (int counters, PRNG keys) and of the batch
+  (labels) are passed through as they are; param ones are not differentiated
+  and come back unchanged.
 
   Skipped steps: when a gradient is inf or NaN, the global norm of the
   unscaled gradients overflows, or the loss itself is inf or NaN, the
   optimizer update is skipped under ``lax.cond`` and its updates are ``-0.0``,
-  so params and the inner optimizer state (Adam's count, schedules) are
-  unchanged bit for bit while the scale backs off. One sum of squares of the
-  unscaled gradients gives both the skip decision and ``grad_norm``: with an
+  so params, the Kahan compensation and the inner optimizer state (Adam's
+  count, schedules) are unchanged bit for bit while the scale backs off (a
+  skipped step still advances ``state.step``, so the next step rounds with
+  fresh random bits). One sum of squares of the unscaled gradients gives
+  both the skip decision and ``grad_norm``: with an
   outermost :func:`dynamic_loss_scaling`/:func:`static_loss_scaling` it is the
   transformation's own, otherwise (a plain optax ``tx``) the step guards the
   update the same way, without a scale to adjust or a skip counter. A scaler
@@ -517,11 +643,14 @@ def make_train_step(
     TypeError: if ``loss_fn`` is not callable, ``policy`` is not a
       :class:`Policy` or a flag is not a bool; when the step is called, if
       ``state`` is not a :class:`TrainState`, or (at trace time) if the loss
-      is not a float scalar or ``has_aux`` is set and ``loss_fn`` does not
-      return a pair.
+      is not a float scalar, ``has_aux`` is set and ``loss_fn`` does not
+      return a pair, or the params' dtypes are not the state's
+      ``master_dtype`` (a hand-built state).
     ValueError: when the step is called with params or a batch whose tree
       structure differs from the first call's, with a deleted (already
-      donated) or aliased array, or with a nested loss-scaling transformation.
+      donated) or aliased array, with a nested loss-scaling transformation,
+      or with a state whose compensation or rounding key does not fit its
+      ``rounding``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -553,13 +682,14 @@ def make_train_step(
   )
 
   def step(state: TrainState, batch: Any):
-    _check_master_params(state.params)
+    _check_masters(state)
     transform.check_outermost(state.tx, state.opt_state)
     scale = transform.loss_scale_of(state.opt_state)
     if cast_batch:
       batch = batch_policy.cast_to_compute(batch)
-    trained = _trained_part(state.params)
-    compute_params = policy.cast_to_compute(state.params)
+    view = masters.float32_view(state.params)  # float32 masters: as they are
+    trained = _trained_part(view)
+    compute_params = policy.cast_to_compute(view)
     with_state = state.model_state is not None
     model_state = policy.cast_to_compute(state.model_state) if with_state else None
 
@@ -590,23 +720,32 @@ def make_train_step(
     grads, (loss, new_model_state, aux) = jax.grad(scaled_loss, has_aux=True)(
         _trained_part(compute_params), model_state)
     kwargs = {"value": loss, **(extra_args(loss, aux, batch) if extra_args else {})}
+    # float32 masters take the update inside the guard (one fused pass, and a
+    # skipped step passes them through); bfloat16 masters round on write-back,
+    # where an update of -0.0 leaves weight and compensation unchanged.
+    lean = state.master_dtype == masters.BFLOAT16
     scaler = transform.scaling_update_of(state.tx)
     if scaler is not None:
-      guard, opt_state = scaler.guarded(
-          grads, state.opt_state, trained, apply=APPLY_IN_GUARD, **kwargs)
+      guard, opt_state = scaler.guarded(grads, state.opt_state, trained, apply=not lean, **kwargs)
     else:
       tx = optax.with_extra_args_support(state.tx)
       guard = skip.guarded_update(
           lambda g, s, p: tx.update(g, s, p, **kwargs),
-          grads, state.opt_state, trained, inv_scale=None, value=loss, apply=APPLY_IN_GUARD,
+          grads, state.opt_state, trained, inv_scale=None, value=loss, apply=not lean,
       )
       opt_state = guard.state
-    new_trained = (guard.params if APPLY_IN_GUARD
-                   else optax.apply_updates(trained, guard.updates))
+    if lean:
+      new_trained, compensation = masters.apply_updates(
+          _trained_part(state.params), guard.updates, rounding=state.rounding,
+          key=_rounding_key(state), compensation=state.compensation,
+      )
+    else:
+      new_trained, compensation = guard.params, None
     new_state = state.replace(
         step=optax.safe_increment(state.step),
         params=tree_utils.merge_floating(new_trained, state.params),
         opt_state=opt_state,
+        compensation=compensation,
     )
     finite, sumsq = guard.finite, guard.sumsq
     if with_state:
