@@ -17,6 +17,8 @@ DOCUMENTED = {
     "loss_scale_of", "skipped_steps_of",
     # The train step.
     "TrainState", "make_train_step",
+    # Autocast.
+    "autocast", "AutocastLists",
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "gradient_report",
     "nonfinite_paths", "precision_lint",

@@ -12,9 +12,10 @@ higher-order primitive is walked too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
-from typing import Any, Callable, Iterator, Mapping, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Union
 
 import jax
 import numpy as np
@@ -57,6 +58,55 @@ def dtype_of(v: Any) -> Union[np.dtype, None]:
   if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     return None
   return np.dtype(dtype)
+
+
+def is_floating(dtype: Any) -> bool:
+  """True for real floating dtypes (float8 to float64); False for ``None``, keys, ints."""
+  return (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+          and jax.dtypes.issubdtype(dtype, np.floating))
+
+
+def bind(eqn: Any, args: list, params: Union[Mapping[str, Any], None] = None) -> list:
+  """Applies ``eqn``'s primitive to ``args`` (with ``params``, default its own); a list."""
+  params = eqn.params if params is None else params
+  out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eqn_context(eqn: Any) -> ContextManager[None]:
+  """Re-binds under ``eqn``'s source line, name stack and context (compute type, mesh).
+
+  Equations created inside it (the primitive re-bound, and any cast placed
+  before it) carry the original equation's traceback, so that errors, HLO
+  metadata and :func:`source_of` name the user's line, as
+  ``jax.core.eval_jaxpr`` does.
+  """
+  stack = contextlib.ExitStack()
+  if _source_info_util is not None:
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    stack.enter_context(_source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=name_stack))
+  manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if manager is not None:
+    stack.enter_context(manager)
+  return stack
+
+
+def primitive_names() -> frozenset[str]:
+  """Names of every primitive defined at module level in the imported modules.
+
+  JAX has no public registry of primitives; this finds ``jax.lax``'s, the
+  control-flow and random ones, and those of any library already imported
+  (Pallas, Equinox, ...).
+  """
+  names = set()
+  for module in list(sys.modules.values()):
+    try:
+      values = list(vars(module).values())
+    except TypeError:  # Modules without a __dict__.
+      continue
+    names.update(v.name for v in values if isinstance(v, jex_core.Primitive))
+  return frozenset(names)
 
 
 def consumers(jaxpr: Any) -> Mapping[Any, list]:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite._src import autocast as autocast_lib
 from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import skip
@@ -267,6 +268,7 @@ def make_train_step(
     cast_batch: bool = True,
     batch_keep_full: tuple[policy_lib.KeepRule, ...] = (),
     extra_args: Callable[[jax.Array, Any, Any], Mapping[str, Any]] | None = None,
+    autocast: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
   """Builds ``step(state, batch) -> (state, metrics)``, compiled with ``jax.jit``.
 
@@ -329,6 +331,13 @@ def make_train_step(
       arguments for ``tx.update``, merged over the default ``value=loss``
       (the unscaled float32 loss, optax's name for it, which e.g.
       ``optax.contrib.reduce_on_plateau`` reads).
+    autocast: run ``loss_fn`` under :func:`autocast` with
+      ``policy.compute_dtype``. ``loss_fn`` still receives the params and the
+      batch cast as above (keep rules included); autocast then runs its
+      exp/log/pow/reductions (softmax, norms, losses) in float32 and its
+      matmuls and convolutions in the compute dtype. Loss scaling, float32
+      masters and the skip are unchanged. Needs a float16 or bfloat16
+      compute dtype.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
@@ -344,9 +353,11 @@ def make_train_step(
       ``state`` is not a :class:`TrainState`, or (at trace time) if the loss
       is not a float scalar or ``has_aux`` is set and ``loss_fn`` does not
       return a pair.
-    ValueError: when the step is called with params or a batch whose tree
-      structure differs from the first call's, with a deleted (already
-      donated) or aliased array, or with a nested loss-scaling transformation.
+    ValueError: if ``autocast`` is set and ``policy.compute_dtype`` is not
+      float16 or bfloat16; when the step is called with params or a batch
+      whose tree structure differs from the first call's, with a deleted
+      (already donated) or aliased array, or with a nested loss-scaling
+      transformation.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -369,6 +380,8 @@ def make_train_step(
   donate = checks.boolean("donate", donate)
   track_nonfinite = checks.boolean("track_nonfinite", track_nonfinite)
   cast_batch = checks.boolean("cast_batch", cast_batch)
+  if checks.boolean("autocast", autocast):
+    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype)
   if extra_args is not None and not callable(extra_args):
     raise TypeError(f"extra_args must be a callable (loss, aux, batch) -> dict, got {extra_args!r}")
   batch_policy = policy_lib.Policy(
