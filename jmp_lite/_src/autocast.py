@@ -311,11 +311,40 @@ def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:
   elif rule == "float32":
     target = _F32
   else:
-    strong = [_dtype(ins[i]) for i in floats if not getattr(eqn.invars[i].aval, "weak_type", False)]
-    target = _widest(strong or [_dtype(ins[i]) for i in floats])
+    target = _promote_target(eqn, ins, floats)
   for i in floats:
     ins[i] = _cast(ins[i], target, casts)
   return jaxpr_utils.bind(eqn, ins, _retarget(eqn, target))
+
+
+def _promote_target(eqn: Any, ins: list, floats: list[int]) -> np.dtype:
+  """The widest dtype among the floating operands, constants aside if they fit.
+
+  A jaxpr records Python scalars as strongly typed literals, so ``h * 0.5``
+  and ``h * jnp.float32(0.5)`` look alike; a literal, or a weakly typed value,
+  does not widen the operation unless its value overflows or underflows (is
+  below the smallest normal number) in the dtype of the other operands.
+  """
+  constant = lambda i: (isinstance(eqn.invars[i], jex_core.Literal)
+                        or getattr(eqn.invars[i].aval, "weak_type", False))
+  strong = [_dtype(ins[i]) for i in floats if not constant(i)]
+  if not strong:
+    return _widest(_dtype(ins[i]) for i in floats)
+  target = _widest(strong)
+  for i in floats:
+    if constant(i) and not _fits(ins[i], target):
+      target = _widest((target, _dtype(ins[i])))
+  return target
+
+
+def _fits(x: Any, dtype: np.dtype) -> bool:
+  """Whether a constant keeps its magnitude in ``dtype`` (traced values: assumed so)."""
+  if not isinstance(x, (np.ndarray, np.generic, int, float)) or isinstance(x, jax.Array):
+    return True
+  v = np.abs(np.asarray(x, np.float64))
+  info = jnp.finfo(dtype)
+  ok = (v == 0) | ~np.isfinite(v) | ((v >= float(info.tiny)) & (v <= float(info.max)))
+  return bool(np.all(ok))
 
 
 def _retarget(eqn: Any, target: np.dtype) -> Any:
@@ -607,8 +636,8 @@ def autocast(
     float32. Softmax, log-softmax, logsumexp, means, variances, norms and
     cross-entropies are built from these and so run in float32.
   * **promote list** (everything else that computes in its inputs' dtype,
-    :data:`PROMOTE_OPS`): runs in the widest floating dtype among its inputs
-    (Python scalars do not count).
+    :data:`PROMOTE_OPS`): runs in the widest floating dtype among its inputs;
+    constants (``h * 0.5``) do not count unless their value does not fit.
   * ``convert_element_type`` from float32 to float16 or bfloat16 is **kept
     wide**: the float32 value passes through. ``jnp.sum``/``jnp.mean``/
     ``jnp.var`` of a half array accumulate in float32 and then narrow the
