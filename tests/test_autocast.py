@@ -91,6 +91,8 @@ def test_float32_matmul_runs_in_half_and_deliberate_preferred_element_type_is_ke
       jnp.bfloat16)(x32, x16)
   assert plain.dtype == BF16  # jnp.matmul passes preferred_element_type=float32: follows.
   assert wide.dtype == F32    # asked for on f16 operands: kept.
+  mixed = jmp.autocast(lambda a, b: jnp.einsum("ij,kj->ik", a, b), jnp.float16)(x16, x32)
+  assert mixed.dtype == F16   # f16 x f32 einsum: promotion, not a request
 
 
 def test_narrowing_converts_from_float32_are_kept_wide_others_are_done():
@@ -223,8 +225,10 @@ def test_custom_vjp_forward_and_backward_run_under_autocast(maybe_jit):
 
 
 CONTROL_FLOW = {
-    "scan": lambda x: jax.lax.scan(lambda c, r: (c + jnp.sum(jnp.exp(r)), jnp.exp(r)), 0.0 * x[0, 0], x),
-    "fori_loop": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: c + jnp.exp(x[i]), jnp.zeros_like(x[0])),
+    "scan": lambda x: jax.lax.scan(
+        lambda c, r: (c + jnp.sum(jnp.exp(r)), jnp.exp(r)), 0.0 * x[0, 0], x),
+    "fori_loop": lambda x: jax.lax.fori_loop(
+        0, 3, lambda i, c: c + jnp.exp(x[i]), jnp.zeros_like(x[0])),
     "while_loop": lambda x: jax.lax.while_loop(
         lambda c: c[0] < x.shape[0], lambda c: (c[0] + 1, c[1] + jnp.sum(x[c[0]] ** 4)),
         (jnp.int32(0), 0.0 * x[0, 0]))[1],
@@ -363,7 +367,15 @@ def test_jit_traces_once_and_eager_calls_reuse_nested_jits(mlp):
   traces.clear()
   eager = jmp.autocast(jax.jit(loss), jnp.float16)
   first = eager(params, x)
-  assert eager(params, x) == first and len(traces) == 1  # jax.jit's cache, then autocast's
+  compiles = []
+  listener = lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    second = eager(params, x)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert len(traces) == 1 and not compiles  # jax.jit's trace cache, then autocast's
+  assert second == first
 
 
 def test_pytrees_keyword_arguments_static_leaves_and_keys():

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +17,9 @@ MODE_ROWS = ("| fp32 ", "| bf16 ", "| f16 ")
 
 
 def _run_smoke(script: str, out: Path) -> subprocess.CompletedProcess:
-  env = {**os.environ, "MPLBACKEND": "Agg"}
+  # Import this checkout's jmp_lite, whatever the environment has installed.
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+  env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": path}
   return subprocess.run(
       [sys.executable, str(Path("examples") / script), "--smoke", "--out", str(out)],
       cwd=ROOT,
@@ -52,6 +55,25 @@ def test_example_smoke_prints_table_and_writes_results(tmp_path, script, name, h
   if name == "digits":
     png = (tmp_path / "digits.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_transformer_lm_smoke_trains_four_ways(tmp_path):
+  proc = _run_smoke("transformer_lm.py", tmp_path)
+  assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("stdlib source:") and lines[1].startswith("training fp32")
+  modes = ["fp32", "mixed_f16", "autocast_f16", "autocast_bf16"]
+  for mode in modes:
+    assert f"| {mode} " in proc.stdout, proc.stdout
+  payload = json.loads((tmp_path / "transformer_lm.json").read_text())
+  results = payload["results"]
+  assert payload["config"]["smoke"] is True
+  assert [r["mode"] for r in results] == modes
+  assert [r["autocast"] for r in results] == [False, False, True, True]
+  assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
+  assert results[2]["final_scale"] >= 2.0**14 and results[3]["final_scale"] == 1.0
+  png = (tmp_path / "transformer_lm.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 @pytest.fixture

@@ -111,11 +111,13 @@ class AutocastLists:
   at most one list:
 
   * ``half``: floating inputs are cast to the autocast dtype, and so is the
-    output (:data:`HALF_OPS`: matmuls and convolutions).
+    output (by default ``dot_general``, ``conv_general_dilated``,
+    ``ragged_dot_general``: matmuls and convolutions).
   * ``float32``: half inputs are cast to float32; the output is float32
-    (:data:`FLOAT32_OPS`: exp, log, pow, rsqrt, sums, products, ...).
+    (by default exp, log, pow, rsqrt, sums, products, ...).
   * ``promote``: floating inputs are cast to the widest floating dtype among
-    them, weakly typed ones (Python scalars) not counting (:data:`PROMOTE_OPS`).
+    them, constants not counting unless they do not fit (by default every
+    other primitive that computes in its inputs' dtype).
   * in none of them ("original"): the primitive runs in the dtypes of the
     traced program; inputs that autocast changed are cast back first. This is
     also what happens to primitives autocast does not know (callbacks,
@@ -216,10 +218,12 @@ def _check_dtype(dtype: Any) -> np.dtype:
 
 
 def _dtype(x: Any) -> Union[np.dtype, None]:
+  """The dtype of a value; ``None`` for PRNG keys, tokens and other non-arrays."""
   dtype = getattr(x, "dtype", None)
-  return None if dtype is None else np.dtype(dtype) if not _extended(dtype) else None
+  return None if dtype is None or _extended(dtype) else np.dtype(dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _extended(dtype: Any) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
@@ -325,8 +329,7 @@ def _promote_target(eqn: Any, ins: list, floats: list[int]) -> np.dtype:
   does not widen the operation unless its value overflows or underflows (is
   below the smallest normal number) in the dtype of the other operands.
   """
-  constant = lambda i: (isinstance(eqn.invars[i], jex_core.Literal)
-                        or getattr(eqn.invars[i].aval, "weak_type", False))
+  constant = lambda i: _is_constant(eqn.invars[i])
   strong = [_dtype(ins[i]) for i in floats if not constant(i)]
   if not strong:
     return _widest(_dtype(ins[i]) for i in floats)
@@ -350,27 +353,36 @@ def _fits(x: Any, dtype: np.dtype) -> bool:
 def _retarget(eqn: Any, target: np.dtype) -> Any:
   """``eqn``'s params with a floating ``preferred_element_type`` set to ``target``.
 
-  A ``preferred_element_type`` that differs from the (declared) operand dtype
-  was asked for on purpose (``jnp.einsum(f16, f16, preferred_element_type=
-  jnp.float32)``) and is kept; one equal to it (what ``jnp.matmul`` always
-  passes) follows the operands.
+  A ``preferred_element_type`` that none of the traced operands has was asked
+  for on purpose (``jnp.einsum(f16, f16, preferred_element_type=jnp.float32)``)
+  and is kept; one that an operand has (what ``jnp.matmul`` and
+  ``jnp.einsum`` pass after promoting) follows the operands.
   """
   pet = eqn.params.get("preferred_element_type")
   if pet is None or not jaxpr_utils.is_floating(pet):
     return eqn.params
-  declared = {jaxpr_utils.dtype_of(v) for v in eqn.invars}
-  if declared != {np.dtype(pet)}:
+  if np.dtype(pet) not in {jaxpr_utils.dtype_of(v) for v in eqn.invars}:
     return eqn.params
   return {**eqn.params, "preferred_element_type": target}
 
 
 def _convert(eqn: Any, ins: list, casts: dict) -> list:
-  """convert_element_type: float32 to float16/bfloat16 is kept wide; the rest is done."""
+  """convert_element_type: float32 to float16/bfloat16 is kept wide; the rest is done.
+
+  Constants are the exception: a literal or a weakly typed operand (a Python
+  scalar that ``jnp.where``/``jnp.clip`` pass along) takes the half dtype, as
+  written, so that it does not widen the tensor it meets.
+  """
   (x,) = ins
   new = np.dtype(eqn.params["new_dtype"]) if not _extended(eqn.params["new_dtype"]) else None
-  if _dtype(x) == _F32 and new in _HALVES:
+  if _dtype(x) == _F32 and new in _HALVES and not _is_constant(eqn.invars[0]):
     return [x]
   return jaxpr_utils.bind(eqn, ins)
+
+
+def _is_constant(atom: Any) -> bool:
+  """A literal, or a weakly typed value (from a Python scalar)."""
+  return isinstance(atom, jex_core.Literal) or getattr(atom.aval, "weak_type", False)
 
 
 def _bind_original(eqn: Any, ins: Sequence[Any], casts: Union[dict, None] = None) -> list:
@@ -629,21 +641,23 @@ def autocast(
   arguments, any pytrees in and out). Each call traces ``fun`` to a jaxpr on
   its arguments (``jax.make_jaxpr``) and evaluates that jaxpr again, op by op:
 
-  * **half list** (matmuls and convolutions, :data:`HALF_OPS`): floating
-    inputs are cast to ``dtype``; the result is ``dtype``.
-  * **float32 list** (exp, log, pow, rsqrt, sums and products, ...,
-    :data:`FLOAT32_OPS`): half inputs are cast to float32; the result is
-    float32. Softmax, log-softmax, logsumexp, means, variances, norms and
-    cross-entropies are built from these and so run in float32.
-  * **promote list** (everything else that computes in its inputs' dtype,
-    :data:`PROMOTE_OPS`): runs in the widest floating dtype among its inputs;
-    constants (``h * 0.5``) do not count unless their value does not fit.
-  * ``convert_element_type`` from float32 to float16 or bfloat16 is **kept
-    wide**: the float32 value passes through. ``jnp.sum``/``jnp.mean``/
-    ``jnp.var`` of a half array accumulate in float32 and then narrow the
-    result; under autocast it stays float32 (the sum of 100000 float16 ones is
-    100000.0, not inf), as torch's does. Every other convert (widening, to or
-    from integers, between float16 and bfloat16) is done as written.
+  * **half list** (matmuls and convolutions): floating inputs are cast to
+    ``dtype``; the result is ``dtype``.
+  * **float32 list** (exp, log, pow, rsqrt, sums and products, ...): half
+    inputs are cast to float32; the result is float32. Softmax, log-softmax,
+    logsumexp, means, variances, norms and cross-entropies are built from
+    these and so run in float32.
+  * **promote list** (everything else that computes in its inputs' dtype):
+    runs in the widest floating dtype among its inputs; constants
+    (``h * 0.5``) do not count unless their value does not fit.
+  * ``convert_element_type`` from float32 to float16 or bfloat16 of a
+    computed value is **kept wide**: the float32 value passes through.
+    ``jnp.sum``/``jnp.mean``/``jnp.var`` of a half array accumulate in
+    float32 and then narrow the result; under autocast it stays float32 (the
+    sum of 100000 float16 ones is 100000.0, not inf), as torch's does. A
+    constant (a literal, or a weakly typed Python scalar that ``jnp.where``
+    passes along) is narrowed as written, and so is every other convert
+    (widening, to or from integers, between float16 and bfloat16).
   * ``x * x`` (a ``mul`` of a value by itself) follows ``square``'s list.
   * Integer, bool and PRNG-key values are never touched; float64, float8 and
     complex values are never cast.
@@ -653,11 +667,13 @@ def autocast(
 
   ``jit``, ``closed_call``, ``scan``, ``while``/``fori_loop``, ``cond``/
   ``switch``, ``checkpoint``, ``custom_jvp``, ``custom_vjp`` and ``shard_map``
-  bodies are evaluated the same way and re-bound through JAX's public APIs. A
-  loop carry takes the widest dtype it has across iterations, and a ``cond``
-  output the widest across branches. Custom derivative rules are kept (``jax.grad`` of
-  ``jax.nn.relu`` at 0 is still 0) and run under autocast too. Effects and
-  sharding constraints are kept.
+  bodies are evaluated the same way: a nested jit is re-bound with its
+  evaluated jaxpr, the others through ``jax.lax.scan``/``while_loop``/
+  ``switch``, ``jax.checkpoint``, ``jax.custom_jvp``/``custom_vjp`` and
+  ``jax.shard_map``. A loop carry takes the widest dtype it has across
+  iterations, and a ``cond`` output the widest across branches. Custom
+  derivative rules are kept (``jax.grad`` of ``jax.nn.relu`` at 0 is still 0)
+  and run under autocast too. Effects and sharding constraints are kept.
 
   The result composes with ``jax.grad`` (the backward pass runs in the
   precision chosen for each forward op; gradients with respect to float32
@@ -670,7 +686,8 @@ def autocast(
 
   Cost: each call traces ``fun`` once (under ``jax.jit``, once per
   compilation) and evaluates its jaxpr once; loops and conds are traced once
-  more to settle their dtypes.
+  more to settle their dtypes. A nested ``jax.jit`` function is evaluated once
+  per input signature and cached.
 
   Args:
     fun: the function to run, e.g. a loss or ``model.apply``.

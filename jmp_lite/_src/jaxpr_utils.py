@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import sys
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Union
@@ -62,7 +63,12 @@ def dtype_of(v: Any) -> Union[np.dtype, None]:
 
 def is_floating(dtype: Any) -> bool:
   """True for real floating dtypes (float8 to float64); False for ``None``, keys, ints."""
-  return (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  return dtype is not None and _is_floating(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_floating(dtype: Any) -> bool:  # issubdtype is slow, and called per operand.
+  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
           and jax.dtypes.issubdtype(dtype, np.floating))
 
 
