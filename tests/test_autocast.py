@@ -264,6 +264,21 @@ def test_loop_carries_widen_to_a_fixed_point_and_cond_outputs_agree():
   assert float(f(False, x[:1] / 25)[0]) == 13.0
 
 
+def test_scan_over_prng_keys_keeps_the_keys():
+  def dropout_layers(x, key):
+    def layer(h, k):
+      keep = jax.random.bernoulli(k, 0.75, h.shape)
+      return jnp.where(keep, jnp.exp(h) / 0.75, 0.0), keep
+    return jax.lax.scan(layer, x, jax.random.split(key, 2))
+
+  x = jnp.linspace(1.0, 3.0, 8)
+  out, masks = jax.jit(jmp.autocast(dropout_layers, jnp.float16))(x.astype(jnp.float16), key(10))
+  ref_out, ref_masks = dropout_layers(x.astype(jnp.float16).astype(jnp.float32), key(10))
+  np.testing.assert_array_equal(masks, ref_masks)  # the same random bits
+  assert out.dtype == F32
+  assert_close(out, ref_out, 1e-2)
+
+
 def test_closed_call_body_is_autocast():
   inner = jax.make_jaxpr(lambda v: jnp.sum(jnp.exp(v)))(jnp.ones(3, jnp.float16))
   prim = jex_primitives.closed_call_p
@@ -340,6 +355,16 @@ def test_grad_runs_backward_matmuls_in_half_and_returns_float32(dtype, mlp, mayb
     assert_close(got, want, 5 * HALF_TOL[dtype])
   found = out_dtypes(grad_fn, params, x, names={"dot_general", "exp", "log"})
   assert found == {"dot_general": {dtype.name}, "exp": {"float32"}, "log": {"float32"}}
+
+
+def test_autocast_of_grad_agrees_with_grad_of_autocast(mlp):
+  params, x = mlp
+  inside = jax.jit(jmp.autocast(jax.grad(mlp_loss), jnp.float16))(params, x)
+  outside = jax.jit(jax.grad(jmp.autocast(mlp_loss, jnp.float16)))(params, x)
+  expected = jax.jit(jax.grad(mlp_loss))(params, x)
+  for a, b, want in zip(*map(jax.tree.leaves, (inside, outside, expected))):
+    assert_close(a, want, 5 * HALF_TOL[F16])
+    assert_close(b, want, 5 * HALF_TOL[F16])
 
 
 def test_vmap_of_autocast_equals_autocast_of_vmap(mlp):

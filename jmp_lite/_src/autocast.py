@@ -241,7 +241,7 @@ def _cast(x: Any, dtype: np.dtype, cache: dict) -> Any:
   return hit[1]
 
 
-def _widest(dtypes: Iterable[np.dtype]) -> np.dtype:
+def _widest(dtypes: Iterable[Any]) -> np.dtype:
   return functools.reduce(lambda a, b: np.dtype(jnp.promote_types(a, b)), dtypes)
 
 
@@ -252,41 +252,29 @@ def _join(a: Union[np.dtype, None], b: Union[np.dtype, None]) -> Union[np.dtype,
   return a
 
 
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype,
-                              weak_type=getattr(jax.typeof(x), "weak_type", False))
-
-
 # ---------------------------------------------------------------------------
 # The interpreter.
-
-
-def _literal(v: Any) -> Any:
-  return v.val
 
 
 def _eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Config) -> list:
   """Evaluates an open ``jaxpr`` on ``args`` with autocast's per-op dtypes."""
   env: dict[Any, Any] = {}
-  read = lambda v: _literal(v) if isinstance(v, jex_core.Literal) else env[v]
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   casts: dict = {}
-  for eqn in jaxpr.eqns:
+  for eqn, dead in zip(jaxpr.eqns, jaxpr_utils.last_uses(jaxpr)):
     ins = [read(v) for v in eqn.invars]
     with jaxpr_utils.eqn_context(eqn):
       outs = _eval_eqn(eqn, ins, cfg, casts)
     env.update(zip(eqn.outvars, outs))
+    for v in dead:
+      del env[v]
   return [read(v) for v in jaxpr.outvars]
 
 
 def _eval_closed(closed: Any, args: Sequence[Any], cfg: _Config) -> list:
   return _eval_jaxpr(closed.jaxpr, closed.consts, args, cfg)
-
-
-def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
-  """The ClosedJaxpr of ``fn(*args)`` at the avals of ``args``."""
-  return jax.make_jaxpr(fn)(*[_aval(a) for a in args])
 
 
 def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:

@@ -115,6 +115,25 @@ def primitive_names() -> frozenset[str]:
   return frozenset(names)
 
 
+def last_uses(jaxpr: Any) -> list[list[Any]]:
+  """Per equation, the variables it is the last reader of (outputs of ``jaxpr`` aside).
+
+  An evaluator drops them after the equation, as ``jax.core.eval_jaxpr`` does,
+  so that eager evaluation does not keep every intermediate array alive.
+  """
+  last = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if isinstance(v, jex_core.Var):
+        last[v] = i
+  for v in jaxpr.outvars:
+    last.pop(v, None)
+  drops: list[list[Any]] = [[] for _ in jaxpr.eqns]
+  for v, i in last.items():
+    drops[i].append(v)
+  return drops
+
+
 def consumers(jaxpr: Any) -> Mapping[Any, list]:
   """Maps each variable of ``jaxpr`` to the equations that read it."""
   out = collections.defaultdict(list)
