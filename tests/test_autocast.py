@@ -437,6 +437,8 @@ def test_flax_linen_apply_unchanged_model(dtype):
   out = jax.jit(apply)(variables, x)
   assert out.dtype == F32  # the half matmul plus a float32 bias, as torch's mm + b
   assert_close(out, jax.jit(model.apply)(variables, x), 2 * HALF_TOL[dtype])
+  half_params = jmp.Policy(F32, dtype, F32).cast_to_compute(variables)
+  assert jax.jit(apply)(half_params, x.astype(dtype)).dtype == dtype  # as in the train step
 
 
 class NNXNet(nnx.Module):
@@ -581,13 +583,17 @@ def test_op_list_overrides_and_their_errors():
   original = jmp.AutocastLists().move("exp", to="original")
   assert jmp.autocast(jnp.exp, jnp.float16, lists=original)(x).dtype == F16
   assert lists == jmp.AutocastLists().move("tanh", "logistic", to="float32")
-  with pytest.raises(ValueError, match=r"unknown primitive name\(s\) \['softmax'\] in "
+  with pytest.raises(ValueError, match=r"unknown primitive name\(s\) \['softmax'\] for "
                                        r"AutocastLists.float32"):
     jmp.AutocastLists().move("softmax", to="float32")
+  with pytest.raises(ValueError, match=r"\['layer_norm'\] for AutocastLists.original"):
+    jmp.AutocastLists().move("layer_norm", to="original")
+  with pytest.raises(ValueError, match=r"\['sofmax'\] for AutocastLists.promote"):
+    jmp.AutocastLists(promote={"add", "sofmax"})
   with pytest.raises(ValueError, match=r"\['exp'\] appear in both AutocastLists.half and "
                                        r"AutocastLists.float32"):
     jmp.AutocastLists(half={"dot_general", "exp"})
-  with pytest.raises(ValueError, match=r"\['scan'\] in AutocastLists.promote: autocast has"):
+  with pytest.raises(ValueError, match=r"\['scan'\] for AutocastLists.promote: autocast has"):
     jmp.AutocastLists().move("scan", to="promote")
   with pytest.raises(ValueError, match="to must be one of .* got 'fp32'"):
     jmp.AutocastLists().move("exp", to="fp32")

@@ -5,7 +5,8 @@ again, choosing each operation's precision from three public lists (the
 half list, the float32 list and the promote list), as ``torch.autocast``
 does per ATen op. Sub-jaxprs (``jit``, ``scan``, ``while``, ``cond``,
 ``checkpoint``, ``custom_jvp``/``custom_vjp``, ``shard_map``) are evaluated the
-same way and re-bound through JAX's public APIs.
+same way: a nested jit is re-bound with its evaluated jaxpr, the others
+through JAX's public APIs (``jax.lax.scan``, ``jax.custom_vjp``, ...).
 """
 
 from __future__ import annotations
@@ -72,18 +73,12 @@ PROMOTE_OPS = frozenset({
     "reduce_scatter",
 })
 
-# Primitives autocast recurses into; they are not in any list.
-_HIGHER_ORDER = frozenset({
-    "jit", "closed_call", "call", "remat2", "scan", "while", "cond",
-    "custom_jvp_call", "custom_vjp_call", "shard_map",
-})
-_OWN_RULES = _HIGHER_ORDER | {"convert_element_type"}
 _TARGETS = ("half", "float32", "promote", "original")
 
 _LISTS_MSG = "{field} must be a collection of primitive names (or jax Primitives), got {value!r}"
-_UNKNOWN_MSG = ("unknown primitive name(s) {names} in AutocastLists.{field}: not a primitive "
+_UNKNOWN_MSG = ("unknown primitive name(s) {names} for AutocastLists.{field}: not a primitive "
                 "of JAX or of an imported library (e.g. 'exp', 'dot_general', 'reduce_sum')")
-_OWN_MSG = ("{names} in AutocastLists.{field}: autocast has its own rule for it "
+_OWN_MSG = ("{names} for AutocastLists.{field}: autocast has its own rule for it "
             "(it recurses into control flow, calls and custom derivatives, and decides "
             "convert_element_type itself)")
 _OVERLAP_MSG = "primitive(s) {names} appear in both AutocastLists.{a} and AutocastLists.{b}"
@@ -101,6 +96,17 @@ def _as_names(field: str, value: Any) -> frozenset[str]:
       raise TypeError(_LISTS_MSG.format(field=field, value=value))
     names.add(item)
   return frozenset(names)
+
+
+def _check_known(field: str, names: frozenset[str]) -> None:
+  own = names & _OWN_RULES
+  if own:
+    raise ValueError(_OWN_MSG.format(names=sorted(own), field=field))
+  new = names - HALF_OPS - FLOAT32_OPS - PROMOTE_OPS
+  if new:  # Only names beyond the defaults need the (slower) registry scan.
+    unknown = new - jaxpr_utils.primitive_names()
+    if unknown:
+      raise ValueError(_UNKNOWN_MSG.format(names=sorted(unknown), field=field))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,17 +158,8 @@ class AutocastLists:
         both = getattr(self, a) & getattr(self, b)
         if both:
           raise ValueError(_OVERLAP_MSG.format(names=sorted(both), a=a, b=b))
-    defaults = HALF_OPS | FLOAT32_OPS | PROMOTE_OPS
     for field in fields:
-      names = getattr(self, field)
-      own = names & _OWN_RULES
-      if own:
-        raise ValueError(_OWN_MSG.format(names=sorted(own), field=field))
-      new = names - defaults
-      if new:  # Only names beyond the defaults need the (slower) registry scan.
-        unknown = new - jaxpr_utils.primitive_names()
-        if unknown:
-          raise ValueError(_UNKNOWN_MSG.format(names=sorted(unknown), field=field))
+      _check_known(field, getattr(self, field))
 
   def move(self, *names: Union[str, jex_core.Primitive], to: str) -> "AutocastLists":
     """A copy with ``names`` moved to list ``to`` (out of any other list).
@@ -183,6 +180,7 @@ class AutocastLists:
     if to not in _TARGETS:
       raise ValueError(f"to must be one of {_TARGETS}, got {to!r}")
     moved = _as_names("names", names)
+    _check_known(to, moved)
     lists = {f: getattr(self, f) - moved for f in ("half", "float32", "promote")}
     if to != "original":
       lists[to] = lists[to] | moved
@@ -283,7 +281,7 @@ def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:
   if handler is not None:
     return handler(eqn, ins, cfg)
   if name == "convert_element_type":
-    return _convert(eqn, ins, casts)
+    return _convert(eqn, ins)
   floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(_dtype(x))]
   if not floats:  # Integers, bools, keys: untouched.
     return jaxpr_utils.bind(eqn, ins)
@@ -354,7 +352,7 @@ def _retarget(eqn: Any, target: np.dtype) -> Any:
   return {**eqn.params, "preferred_element_type": target}
 
 
-def _convert(eqn: Any, ins: list, casts: dict) -> list:
+def _convert(eqn: Any, ins: list) -> list:
   """convert_element_type: float32 to float16/bfloat16 is kept wide; the rest is done.
 
   Constants are the exception: a literal or a weakly typed operand (a Python
@@ -609,6 +607,8 @@ def _handler(name: str) -> Union[Callable[..., list], None]:
 
 
 _HANDLERS = {name: _handler(name) for name in _HANDLERS_AND_PARAMS}
+# Primitives that are in no list: autocast recurses into them, or decides them itself.
+_OWN_RULES = frozenset(_HANDLERS) | {"convert_element_type"}
 
 
 # ---------------------------------------------------------------------------
