@@ -226,8 +226,42 @@ def _extended(dtype: Any) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
+class _Moved:
+  """A broadcast, reshape, squeeze or transpose of ``src``, done when its dtype is known.
+
+  Autocast casts before moving data, not after: a float16 bias broadcast to
+  an activation's shape and then needed in float32 is cast once, at its own
+  size, and then broadcast (as a hand-written ``bias.astype(f32)`` would be),
+  so the backward pass also sums the broadcast's cotangent in float32.
+  """
+
+  __slots__ = ("src", "steps", "dtype", "_done")
+
+  def __init__(self, src: Any, steps: tuple):
+    self.src, self.steps, self.dtype = src, steps, _dtype(src)
+    self._done: dict = {}
+
+  def get(self, dtype: Union[np.dtype, None] = None) -> Any:
+    """The moved value in ``dtype`` (default: the source's), computed once per dtype."""
+    dtype = self.dtype if dtype is None else dtype
+    if dtype not in self._done:
+      x = self.src if dtype == self.dtype else jax.lax.convert_element_type(self.src, dtype)
+      for eqn in self.steps:
+        with jaxpr_utils.eqn_context(eqn):
+          (x,) = jaxpr_utils.bind(eqn, [x])
+      self._done[dtype] = x
+    return self._done[dtype]
+
+
+def _value(x: Any) -> Any:
+  """``x`` itself, or a deferred move done in its own dtype."""
+  return x.get() if isinstance(x, _Moved) else x
+
+
 def _cast(x: Any, dtype: np.dtype, cache: dict) -> Any:
   """``x`` in ``dtype``; literals stay NumPy constants, one convert per value."""
+  if isinstance(x, _Moved):
+    return x.get(dtype)
   if _dtype(x) == dtype:
     return x
   if isinstance(x, (np.ndarray, np.generic, int, float)) and not isinstance(x, jax.Array):
@@ -268,38 +302,51 @@ def _eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Co
     env.update(zip(eqn.outvars, outs))
     for v in dead:
       del env[v]
-  return [read(v) for v in jaxpr.outvars]
+  return [_value(read(v)) for v in jaxpr.outvars]
 
 
 def _eval_closed(closed: Any, args: Sequence[Any], cfg: _Config) -> list:
   return _eval_jaxpr(closed.jaxpr, closed.consts, args, cfg)
 
 
+# Data movement deferred until a consumer asks for a dtype (see _Moved).
+_MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose"})
+# The default lists hold first-order primitives only; other names may carry
+# sub-jaxprs typed in the traced dtypes, which must then run as traced.
+_FIRST_ORDER = HALF_OPS | FLOAT32_OPS | PROMOTE_OPS
+
+
 def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:
   name = eqn.primitive.name
   handler = _HANDLERS.get(name)
   if handler is not None:
-    return handler(eqn, ins, cfg)
+    return handler(eqn, [_value(x) for x in ins], cfg)
   if name == "convert_element_type":
-    return _convert(eqn, ins)
+    return _convert(eqn, ins, casts)
   floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(_dtype(x))]
   if not floats:  # Integers, bools, keys: untouched.
     return jaxpr_utils.bind(eqn, ins)
+  dtypes = [_dtype(ins[i]) for i in floats]
   rule = cfg.lists.rule(name)
   if name == "mul" and eqn.invars[0] is eqn.invars[1] and rule == "promote":
     rule = cfg.lists.rule("square")  # x * x is a square (jnp.linalg.norm writes it so).
-  if (rule != "original" and (any(_dtype(ins[i]) not in _ELIGIBLE for i in floats)
-                              or any(True for _ in jaxpr_utils.subjaxprs(eqn))
+  if (rule != "original" and (any(d not in _ELIGIBLE for d in dtypes)
+                              or (name not in _FIRST_ORDER and any(jaxpr_utils.subjaxprs(eqn)))
                               or eqn.params.get("out_dtype") is not None)):
     rule = "original"  # float64/float8/complex operands, or sub-jaxprs typed in the old dtypes.
   if rule == "original":
     for i in floats:
       ins[i] = _cast(ins[i], np.dtype(eqn.invars[i].aval.dtype), casts)
     return jaxpr_utils.bind(eqn, ins)
+  if rule == "promote" and name in _MOVES and len(ins) == 1:
+    x = ins[0]
+    return [_Moved(x.src, x.steps + (eqn,)) if isinstance(x, _Moved) else _Moved(x, (eqn,))]
   if rule == "half":
     target = cfg.dtype
   elif rule == "float32":
     target = _F32
+  elif all(d == dtypes[0] for d in dtypes):
+    target = dtypes[0]
   else:
     target = _promote_target(eqn, ins, floats)
   for i in floats:
@@ -352,18 +399,24 @@ def _retarget(eqn: Any, target: np.dtype) -> Any:
   return {**eqn.params, "preferred_element_type": target}
 
 
-def _convert(eqn: Any, ins: list) -> list:
+def _convert(eqn: Any, ins: list, casts: dict) -> list:
   """convert_element_type: float32 to float16/bfloat16 is kept wide; the rest is done.
 
   Constants are the exception: a literal or a weakly typed operand (a Python
   scalar that ``jnp.where``/``jnp.clip`` pass along) takes the half dtype, as
-  written, so that it does not widen the tensor it meets.
+  written, so that it does not widen the tensor it meets. A convert between
+  float16, bfloat16 and float32 shares autocast's cache of casts, so that
+  ``jnp.mean(x)`` and ``x - mean`` convert ``x`` once (and the backward pass
+  adds their cotangents before converting back, as hand-written code would).
   """
   (x,) = ins
   new = np.dtype(eqn.params["new_dtype"]) if not _extended(eqn.params["new_dtype"]) else None
   if _dtype(x) == _F32 and new in _HALVES and not _is_constant(eqn.invars[0]):
     return [x]
-  return jaxpr_utils.bind(eqn, ins)
+  if (new in _ELIGIBLE and _dtype(x) in _ELIGIBLE and not eqn.params.get("weak_type")
+      and eqn.params.get("sharding") is None):
+    return [_cast(x, new, casts)]  # Shared with autocast's own casts of ``x``.
+  return jaxpr_utils.bind(eqn, [_value(x)])
 
 
 def _is_constant(atom: Any) -> bool:
@@ -374,8 +427,8 @@ def _is_constant(atom: Any) -> bool:
 def _bind_original(eqn: Any, ins: Sequence[Any], casts: Union[dict, None] = None) -> list:
   """``eqn`` applied as traced: floating inputs cast back to the declared dtypes."""
   casts = {} if casts is None else casts
-  ins = [_cast(x, np.dtype(v.aval.dtype), casts) if jaxpr_utils.is_floating(_dtype(x)) else x
-         for x, v in zip(ins, eqn.invars)]
+  ins = [_cast(x, np.dtype(v.aval.dtype), casts) if jaxpr_utils.is_floating(_dtype(x))
+         else _value(x) for x, v in zip(ins, eqn.invars)]
   return jaxpr_utils.bind(eqn, ins)
 
 

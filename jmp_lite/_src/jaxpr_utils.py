@@ -12,7 +12,6 @@ higher-order primitive is walked too.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import os
 import sys
@@ -87,15 +86,34 @@ def eqn_context(eqn: Any) -> ContextManager[None]:
   metadata and :func:`source_of` name the user's line, as
   ``jax.core.eval_jaxpr`` does.
   """
-  stack = contextlib.ExitStack()
-  if _source_info_util is not None:
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    stack.enter_context(_source_info_util.user_context(
-        eqn.source_info.traceback, name_stack=name_stack))
-  manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-  if manager is not None:
-    stack.enter_context(manager)
-  return stack
+  return _EqnContext(eqn)
+
+
+class _EqnContext:
+  """:func:`eqn_context`, without ``contextlib.ExitStack``'s cost (it runs per equation)."""
+
+  __slots__ = ("eqn", "managers")
+
+  def __init__(self, eqn: Any):
+    self.eqn = eqn
+    self.managers: list = []
+
+  def __enter__(self) -> None:
+    eqn = self.eqn
+    if _source_info_util is not None:
+      name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+      self.managers.append(_source_info_util.user_context(
+          eqn.source_info.traceback, name_stack=name_stack))
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+      self.managers.append(manager)
+    for m in self.managers:
+      m.__enter__()
+
+  def __exit__(self, *exc: Any) -> None:
+    for m in reversed(self.managers):
+      m.__exit__(*exc)
+    self.managers.clear()
 
 
 def primitive_names() -> frozenset[str]:
