@@ -110,6 +110,19 @@ def test_narrowing_converts_from_float32_are_kept_wide_others_are_done():
   assert [o.dtype for o in f(x16, x32)][:6] == [F16] * 6  # what the program asked for
 
 
+def test_casts_come_before_broadcasts_so_the_backward_sums_in_float32():
+  # All f16 as traced; under autocast exp(x) is f32, so the broadcast scale is needed in f32.
+  f = lambda scale, x: jnp.sum(jnp.exp(x) * scale)
+  scale, x = jnp.ones(4, jnp.float16), jnp.ones((64, 4), jnp.float16)
+  jaxpr = jax.make_jaxpr(jax.grad(jmp.autocast(f, jnp.float16)))(scale, x).jaxpr
+  converts = [e.invars[0].aval.shape for e in jaxpr.eqns
+              if e.primitive.name == "convert_element_type"]
+  assert sorted(converts) == [(4,), (4,), (64, 4)]  # x up for exp; the scale up, its gradient down
+  sums = [str(jaxpr_utils.dtype_of(e.outvars[0])) for e in jaxpr.eqns
+          if e.primitive.name == "reduce_sum"]
+  assert sums and set(sums) == {"float32"}
+
+
 def test_mul_of_a_value_by_itself_is_a_square():
   x = jnp.full((4,), 300.0, jnp.float16)
   found = out_dtypes(jmp.autocast(lambda v: v * v + v * 2, jnp.float16), x, names={"mul"})
