@@ -17,7 +17,9 @@ that a busy machine slows both variants alike:
    steps.
 2. **Trace time.** ``jax.make_jaxpr`` of ``autocast(loss)`` against
    ``jax.make_jaxpr`` of ``loss``, for the functional model and for the Flax
-   model of ``transformer_lm.py``, forward and ``jax.grad``.
+   model of ``transformer_lm.py``, forward and ``jax.grad``. A third variant
+   traces ``loss`` to a jaxpr and evaluates it with ``jax.core.eval_jaxpr``,
+   changing nothing: the floor for any transform that re-evaluates a jaxpr.
 
 Results are printed and written to ``--out`` (default ``out/autocast_overhead``)
 as ``autocast_overhead.json`` and ``.md``.
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import jaxpr_as_fun
 
 import jmp_lite as jmp
 from jmp_lite._src import jaxpr_utils
@@ -169,6 +172,19 @@ def step_times(args: argparse.Namespace, batch: dict[str, np.ndarray]) -> dict[s
               a / h for a, h in zip(times["autocast"], times["hand"]))}
 
 
+def retrace(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """``fn`` traced to a jaxpr and evaluated by ``jax.core.eval_jaxpr``, dtypes unchanged.
+
+  What any jaxpr interpreter pays before it changes anything: the floor for
+  autocast's trace time.
+  """
+  def wrapped(*args):
+    flat, tree = jax.tree.flatten(args)
+    closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(tree, leaves)))(*flat)
+    return jaxpr_as_fun(closed)(*flat)[0]
+  return wrapped
+
+
 def trace_times(args: argparse.Namespace, batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
   policy = jmp.get_policy("mixed_float16")
   functional = lambda p, b: loss(p, b, heads=args.heads, c=Casts(hand=False))
@@ -185,13 +201,16 @@ def trace_times(args: argparse.Namespace, batch: dict[str, np.ndarray]) -> list[
       # A fresh function per trace: make_jaxpr caches on the function object.
       variants = {
           "plain": lambda: jax.make_jaxpr(lambda *a: wrap(fn)(*a))(p, batch),
+          "eval_jaxpr": lambda: jax.make_jaxpr(lambda *a: wrap(retrace(fn))(*a))(p, batch),
           "autocast": lambda: jax.make_jaxpr(lambda *a: wrap(jmp.autocast(fn, F16))(*a))(p, batch),
       }
       interleaved(variants, 2)
       times = interleaved(variants, args.trace_repeats)
       med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
       rows.append({"model": model, "trace": kind, "plain_ms": med["plain"],
-                   "autocast_ms": med["autocast"], "ratio": med["autocast"] / med["plain"]})
+                   "eval_jaxpr_ms": med["eval_jaxpr"], "autocast_ms": med["autocast"],
+                   "ratio": med["autocast"] / med["plain"],
+                   "ratio_to_eval_jaxpr": med["autocast"] / med["eval_jaxpr"]})
   return rows
 
 
@@ -232,9 +251,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
        ["casts placed by hand (same dtypes)", f"{steps['hand_ms']:.2f}"],
        ["ratio (median / paired median)", f"{steps['ratio']:.3f} / {steps['paired_ratio']:.3f}"]])
   trace_table = _common.markdown_table(
-      ["model", "trace", "make_jaxpr ms", "autocast ms", "ratio"],
-      [[r["model"], r["trace"], f"{r['plain_ms']:.1f}", f"{r['autocast_ms']:.1f}",
-        f"{r['ratio']:.2f}"] for r in traces])
+      ["model", "trace", "plain ms", "trace + eval_jaxpr ms", "autocast ms", "autocast / plain",
+       "autocast / eval_jaxpr"],
+      [[r["model"], r["trace"], f"{r['plain_ms']:.1f}", f"{r['eval_jaxpr_ms']:.1f}",
+        f"{r['autocast_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['ratio_to_eval_jaxpr']:.2f}"]
+       for r in traces])
   text = f"{step_table}\n\n{trace_table}"
   print()
   print(text)

@@ -76,6 +76,28 @@ def test_transformer_lm_smoke_trains_four_ways(tmp_path):
   assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+def test_autocast_overhead_compares_programs_with_the_same_dtypes(monkeypatch):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  for mod in ("autocast_overhead", "transformer_lm", "char_lm", "_common"):
+    monkeypatch.delitem(sys.modules, mod, raising=False)
+  import autocast_overhead as overhead
+  import jax
+  import jax.numpy as jnp
+
+  import jmp_lite as jmp
+
+  policy = jmp.get_policy("mixed_float16")
+  params = policy.cast_to_compute(overhead.init(jax.random.key(0), 16, 1, 8))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 9))
+  batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+  natural = lambda p, b: overhead.loss(p, b, heads=2, c=overhead.Casts(hand=False))
+  hand = lambda p, b: overhead.loss(p, b, heads=2, c=overhead.Casts(hand=True))
+  autocast_sig = overhead.dtype_signature(jmp.autocast(natural, jnp.float16), params, batch)
+  assert autocast_sig == overhead.dtype_signature(hand, params, batch)
+  assert autocast_sig != overhead.dtype_signature(natural, params, batch)  # autocast changed it
+  assert ("exp", ("float32",)) in autocast_sig and ("dot_general", ("float16",)) in autocast_sig
+
+
 @pytest.fixture
 def train_digits(monkeypatch):
   monkeypatch.syspath_prepend(str(EXAMPLES))
