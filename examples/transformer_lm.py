@@ -216,7 +216,13 @@ def plot(results: Sequence[Result], path: Path, loss: str) -> None:
 
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
   window = max(1, min(25, len(results[0].losses) // 10))
-  mean = lambda c: np.convolve(c, np.ones(window) / window, mode="valid") / math.log(2)
+
+  def mean(curve):  # moving mean over the applied (finite) steps, in bits; NaN where none
+    ok = np.isfinite(curve)
+    total = np.convolve(np.where(ok, curve, 0.0), np.ones(window), mode="valid")
+    count = np.convolve(ok.astype(float), np.ones(window), mode="valid")
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan) / math.log(2)
+
   base = next((r for r in results if r.mode == "fp32"), None)
   steps = np.arange(len(results[0].losses) - window + 1) + window
   for r in results:
@@ -230,13 +236,13 @@ def plot(results: Sequence[Result], path: Path, loss: str) -> None:
     if base is not None and r is not base:
       ax2.plot(steps, mean(curve) - mean(base.losses), color=line.get_color(), label=r.mode)
   ax1.set_xlabel("step")
-  ax1.set_ylabel(f"training loss, bits/byte ({window}-step mean)")
+  ax1.set_ylabel(f"training loss, bits/byte ({window}-step mean of applied steps)")
   ax1.set_title(f"Byte-level Transformer LM, {loss} cross-entropy (|: skipped steps)")
   ax1.legend()
   ax2.axhline(0.0, color="black", lw=0.8)
   ax2.set_xlabel("step")
   ax2.set_ylabel("training loss minus fp32's, bits/byte")
-  ax2.set_title("Difference from fp32 (gaps: skipped steps)")
+  ax2.set_title("Difference from fp32")
   ax2.legend()
   for ax in (ax1, ax2):
     ax.grid(alpha=0.3)

@@ -241,7 +241,7 @@ class _Moved:
     self.src, self.steps, self.dtype = src, steps, _dtype(src)
     self._done: dict = {}
 
-  def get(self, dtype: Union[np.dtype, None] = None) -> Any:
+  def get(self, dtype: Any = None) -> Any:
     """The moved value in ``dtype`` (default: the source's), computed once per dtype."""
     dtype = self.dtype if dtype is None else dtype
     if dtype not in self._done:
@@ -258,7 +258,7 @@ def _value(x: Any) -> Any:
   return x.get() if isinstance(x, _Moved) else x
 
 
-def _cast(x: Any, dtype: np.dtype, cache: dict) -> Any:
+def _cast(x: Any, dtype: Any, cache: dict) -> Any:
   """``x`` in ``dtype``; literals stay NumPy constants, one convert per value."""
   if isinstance(x, _Moved):
     return x.get(dtype)
@@ -326,7 +326,7 @@ def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:
   floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(_dtype(x))]
   if not floats:  # Integers, bools, keys: untouched.
     return jaxpr_utils.bind(eqn, ins)
-  dtypes = [_dtype(ins[i]) for i in floats]
+  dtypes: list[Any] = [_dtype(ins[i]) for i in floats]
   rule = cfg.lists.rule(name)
   if name == "mul" and eqn.invars[0] is eqn.invars[1] and rule == "promote":
     rule = cfg.lists.rule("square")  # x * x is a square (jnp.linalg.norm writes it so).

@@ -123,7 +123,7 @@ def primitive_names() -> frozenset[str]:
   control-flow and random ones, and those of any library already imported
   (Pallas, Equinox, ...).
   """
-  names = set()
+  names: set[str] = set()
   for module in list(sys.modules.values()):
     try:
       values = list(vars(module).values())
@@ -139,7 +139,7 @@ def last_uses(jaxpr: Any) -> list[list[Any]]:
   An evaluator drops them after the equation, as ``jax.core.eval_jaxpr`` does,
   so that eager evaluation does not keep every intermediate array alive.
   """
-  last = {}
+  last: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
       if isinstance(v, jex_core.Var):
