@@ -442,8 +442,13 @@ _JIT_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _MAX_FIXPOINT = 4  # Carry dtypes only widen: f16/bf16 -> f32 takes at most two rounds.
 
 
+# jax.core is being slimmed down release by release; without Tracer, nothing is cached.
+_TRACER = getattr(getattr(jax, "core", None), "Tracer", None)
+
+
 def _no_tracers(closed: Any) -> bool:
-  return not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+  """Whether ``closed`` may be cached: none of its constants is a tracer."""
+  return _TRACER is not None and not any(isinstance(c, _TRACER) for c in closed.consts)
 
 
 def _jit(eqn: Any, ins: list, cfg: _Config) -> list:
