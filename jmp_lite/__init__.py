@@ -4,6 +4,8 @@ A drop-in replacement for DeepMind's ``jmp`` (``import jmp_lite as jmp``) plus a
 optax loss-scaling transformation and a jit-compiled train step.
 """
 
+from jmp_lite._src.autocast import AutocastLists
+from jmp_lite._src.autocast import autocast
 from jmp_lite._src.grad_report import GradientReport
 from jmp_lite._src.grad_report import LeafStats
 from jmp_lite._src.grad_report import gradient_report
@@ -33,6 +35,7 @@ from jmp_lite._src.transform import static_loss_scaling
 __version__ = "0.1.0"
 
 __all__ = (
+    "AutocastLists",
     "DynamicLossScale",
     "GradientReport",
     "LeafStats",
@@ -45,6 +48,7 @@ __all__ = (
     "TrainState",
     "all_finite",
     "apply_updates",
+    "autocast",
     "cast_to_full",
     "cast_to_half",
     "dynamic_loss_scaling",

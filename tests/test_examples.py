@@ -17,9 +17,9 @@ MODE_ROWS = ("| fp32 ", "| bf16 ", "| f16 ")
 
 
 def _run_smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
-  # PYTHONPATH: the scripts import the jmp_lite of this checkout, even where
-  # another checkout is the one installed.
-  env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+  # Import this checkout's jmp_lite, whatever the environment has installed.
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+  env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": path}
   return subprocess.run(
       [sys.executable, str(Path("examples") / script), "--smoke", "--out", str(out), *args],
       cwd=ROOT,
@@ -55,6 +55,47 @@ def test_example_smoke_prints_table_and_writes_results(tmp_path, script, name, h
   if name == "digits":
     png = (tmp_path / "digits.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_transformer_lm_smoke_trains_four_ways(tmp_path):
+  proc = _run_smoke("transformer_lm.py", tmp_path)
+  assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("stdlib source:") and lines[1].startswith("training fp32")
+  modes = ["fp32", "mixed_f16", "autocast_f16", "autocast_bf16"]
+  for mode in modes:
+    assert f"| {mode} " in proc.stdout, proc.stdout
+  payload = json.loads((tmp_path / "transformer_lm.json").read_text())
+  results = payload["results"]
+  assert payload["config"]["smoke"] is True
+  assert [r["mode"] for r in results] == modes
+  assert [r["autocast"] for r in results] == [False, False, True, True]
+  assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
+  assert results[2]["final_scale"] >= 2.0**14 and results[3]["final_scale"] == 1.0
+  png = (tmp_path / "transformer_lm.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_autocast_overhead_compares_programs_with_the_same_dtypes(monkeypatch):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  for mod in ("autocast_overhead", "transformer_lm", "char_lm", "_common"):
+    monkeypatch.delitem(sys.modules, mod, raising=False)
+  import autocast_overhead as overhead
+  import jax
+  import jax.numpy as jnp
+
+  import jmp_lite as jmp
+
+  policy = jmp.get_policy("mixed_float16")
+  params = policy.cast_to_compute(overhead.init(jax.random.key(0), 16, 1, 8))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 9))
+  batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+  natural = lambda p, b: overhead.loss(p, b, heads=2, c=overhead.Casts(hand=False))
+  hand = lambda p, b: overhead.loss(p, b, heads=2, c=overhead.Casts(hand=True))
+  autocast_sig = overhead.dtype_signature(jmp.autocast(natural, jnp.float16), params, batch)
+  assert autocast_sig == overhead.dtype_signature(hand, params, batch)
+  assert autocast_sig != overhead.dtype_signature(natural, params, batch)  # autocast changed it
+  assert ("exp", ("float32",)) in autocast_sig and ("dot_general", ("float16",)) in autocast_sig
 
 
 @pytest.fixture

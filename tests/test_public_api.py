@@ -19,6 +19,8 @@ DOCUMENTED = {
     "TrainState", "make_train_step",
     # Lean master weights.
     "apply_updates",
+    # Autocast.
+    "autocast", "AutocastLists",
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "gradient_report",
     "nonfinite_paths", "precision_lint",

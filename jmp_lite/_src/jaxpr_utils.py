@@ -12,9 +12,10 @@ higher-order primitive is walked too.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
-from typing import Any, Callable, Iterator, Mapping, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Union
 
 import jax
 import numpy as np
@@ -57,6 +58,98 @@ def dtype_of(v: Any) -> Union[np.dtype, None]:
   if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     return None
   return np.dtype(dtype)
+
+
+def is_floating(dtype: Any) -> bool:
+  """True for real floating dtypes (float8 to float64); False for ``None``, keys, ints."""
+  return dtype is not None and _is_floating(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_floating(dtype: Any) -> bool:  # issubdtype is slow, and called per operand.
+  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+          and jax.dtypes.issubdtype(dtype, np.floating))
+
+
+def bind(eqn: Any, args: list, params: Union[Mapping[str, Any], None] = None) -> list:
+  """Applies ``eqn``'s primitive to ``args`` (with ``params``, default its own); a list."""
+  params = eqn.params if params is None else params
+  out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eqn_context(eqn: Any) -> ContextManager[None]:
+  """Re-binds under ``eqn``'s source line, name stack and context (compute type, mesh).
+
+  Equations created inside it (the primitive re-bound, and any cast placed
+  before it) carry the original equation's traceback, so that errors, HLO
+  metadata and :func:`source_of` name the user's line, as
+  ``jax.core.eval_jaxpr`` does.
+  """
+  return _EqnContext(eqn)
+
+
+class _EqnContext:
+  """:func:`eqn_context`, without ``contextlib.ExitStack``'s cost (it runs per equation)."""
+
+  __slots__ = ("eqn", "managers")
+
+  def __init__(self, eqn: Any):
+    self.eqn = eqn
+    self.managers: list = []
+
+  def __enter__(self) -> None:
+    eqn = self.eqn
+    if _source_info_util is not None:
+      name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+      self.managers.append(_source_info_util.user_context(
+          eqn.source_info.traceback, name_stack=name_stack))
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+      self.managers.append(manager)
+    for m in self.managers:
+      m.__enter__()
+
+  def __exit__(self, *exc: Any) -> None:
+    for m in reversed(self.managers):
+      m.__exit__(*exc)
+    self.managers.clear()
+
+
+def primitive_names() -> frozenset[str]:
+  """Names of every primitive defined at module level in the imported modules.
+
+  JAX has no public registry of primitives; this finds ``jax.lax``'s, the
+  control-flow and random ones, and those of any library already imported
+  (Pallas, Equinox, ...).
+  """
+  names: set[str] = set()
+  for module in list(sys.modules.values()):
+    try:
+      values = list(vars(module).values())
+    except TypeError:  # Modules without a __dict__.
+      continue
+    names.update(v.name for v in values if isinstance(v, jex_core.Primitive))
+  return frozenset(names)
+
+
+def last_uses(jaxpr: Any) -> list[list[Any]]:
+  """Per equation, the variables it is the last reader of (outputs of ``jaxpr`` aside).
+
+  An evaluator drops them after the equation, as ``jax.core.eval_jaxpr`` does,
+  so that eager evaluation does not keep every intermediate array alive.
+  """
+  last: dict[Any, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if isinstance(v, jex_core.Var):
+        last[v] = i
+  for v in jaxpr.outvars:
+    last.pop(v, None)
+  drops: list[list[Any]] = [[] for _ in jaxpr.eqns]
+  for v, i in last.items():
+    drops[i].append(v)
+  return drops
 
 
 def consumers(jaxpr: Any) -> Mapping[Any, list]:

@@ -9,6 +9,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jmp_lite._src import autocast as autocast_lib
+from jmp_lite._src import checks
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
@@ -121,7 +123,10 @@ def _lint_jaxpr(
 
 
 def precision_lint(
-    fn: Callable[..., Any], *args: Any, policy: Union[policy_lib.Policy, str]
+    fn: Callable[..., Any],
+    *args: Any,
+    policy: Union[policy_lib.Policy, str],
+    autocast: bool = False,
 ) -> list[LintFinding]:
   """Lists the operations of ``fn(*args)`` that are risky under ``policy``.
 
@@ -159,17 +164,30 @@ def precision_lint(
   outside jax, flax, optax, chex, equinox, haiku and jmp_lite (``None`` if
   this JAX release does not expose tracebacks).
 
+  With ``autocast=True`` the function is linted as
+  ``make_train_step(..., autocast=True)`` runs it: wrapped in
+  :func:`autocast` with ``policy.compute_dtype``, after the casts above.
+  Autocast runs exp, log and the reductions in float32 and keeps their
+  results in float32, so the ``softmax/logsumexp``, ``exp``/``log`` and
+  reduction findings go away; the alignment findings of its half-precision
+  matmuls and convolutions stay. Linting ``autocast(fn, dtype)`` itself gives
+  the same findings.
+
   Args:
     fn: the function, typically ``loss_fn(params, batch)``.
     *args: example arguments: arrays, ``jax.ShapeDtypeStruct``s (same
       findings), PRNG keys and any other leaves ``fn`` accepts.
     policy: a :class:`Policy` or a policy string for :func:`get_policy`.
+    autocast: lint ``fn`` under :func:`autocast` (default ``False``).
 
   Returns:
     The findings, in program order.
 
   Raises:
-    TypeError: if ``policy`` is neither a Policy nor a string.
+    TypeError: if ``policy`` is neither a Policy nor a string, or
+      ``autocast`` is not a bool.
+    ValueError: if ``autocast`` is set and the policy's compute dtype is not
+      float16 or bfloat16.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -185,11 +203,15 @@ def precision_lint(
     loss
     >>> [f.op for f in precision_lint(loss_fn, params, x, policy="mixed_bfloat16")]
     ['dot_general']
+    >>> [f.op for f in precision_lint(loss_fn, params, x, policy="mixed_float16", autocast=True)]
+    ['dot_general']
   """
   if isinstance(policy, str):
     policy = policy_lib.get_policy(policy)
   if not isinstance(policy, policy_lib.Policy):
     raise TypeError(f"policy must be a jmp_lite.Policy or a policy string, got {policy!r}")
+  if checks.boolean("autocast", autocast):
+    fn = autocast_lib.autocast(fn, policy.compute_dtype)
 
   def cast_args(*args):
     # Cast inside the trace, where arrays and ShapeDtypeStructs are both tracers.

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite._src import autocast as autocast_lib
 from jmp_lite._src import checks
 from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
@@ -544,6 +545,7 @@ def make_train_step(
     batch_keep_full: tuple[policy_lib.KeepRule, ...] = (),
     extra_args: Callable[[jax.Array, Any, Any], Mapping[str, Any]] | None = None,
     axis_name: str | None = None,
+    autocast: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
   """Builds ``step(state, batch) -> (state, metrics)``, compiled with ``jax.jit``.
 
@@ -630,6 +632,13 @@ def make_train_step(
       data-parallel axis (Flax ``BatchNorm(axis_name="batch")``). Under
       ``jit`` the batch statistics are already the global batch's, so those
       collectives are the identity; the step runs unchanged on a sharded mesh.
+    autocast: run ``loss_fn`` under :func:`autocast` with
+      ``policy.compute_dtype``. ``loss_fn`` still receives the params and the
+      batch cast as above (keep rules included); autocast then runs its
+      exp/log/pow/reductions (softmax, norms, losses) in float32 and its
+      matmuls and convolutions in the compute dtype. Loss scaling, float32
+      masters and the skip are unchanged. Needs a float16 or bfloat16
+      compute dtype.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
@@ -646,11 +655,12 @@ def make_train_step(
       is not a float scalar, ``has_aux`` is set and ``loss_fn`` does not
       return a pair, or the params' dtypes are not the state's
       ``master_dtype`` (a hand-built state).
-    ValueError: when the step is called with params or a batch whose tree
-      structure differs from the first call's, with a deleted (already
-      donated) or aliased array, with a nested loss-scaling transformation,
-      or with a state whose compensation or rounding key does not fit its
-      ``rounding``.
+    ValueError: if ``autocast`` is set and ``policy.compute_dtype`` is not
+      float16 or bfloat16; when the step is called with params or a batch
+      whose tree structure differs from the first call's, with a deleted
+      (already donated) or aliased array, with a nested loss-scaling
+      transformation, or with a state whose compensation or rounding key does
+      not fit its ``rounding``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -675,6 +685,8 @@ def make_train_step(
   cast_batch = checks.boolean("cast_batch", cast_batch)
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
+  if checks.boolean("autocast", autocast):
+    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype)
   if extra_args is not None and not callable(extra_args):
     raise TypeError(f"extra_args must be a callable (loss, aux, batch) -> dict, got {extra_args!r}")
   batch_policy = policy_lib.Policy(

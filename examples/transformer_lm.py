@@ -1,0 +1,330 @@
+"""A byte-level Transformer language model, trained four ways: fp32, params-only f16, autocast.
+
+    python examples/transformer_lm.py            # a few minutes on a 2-core CPU
+    python examples/transformer_lm.py --smoke    # seconds, for CI
+
+The model is written the natural way, with no casts anywhere: a Flax Linen
+decoder (token and position embeddings, pre-LayerNorm blocks of causal
+multi-head attention and a GELU MLP, a final LayerNorm and a read-out), and the
+loss is ``optax.softmax_cross_entropy_with_integer_labels(...).mean()``
+(``--loss naive`` writes it as the issue's ``exp(logits) / sum(exp(logits))``
+instead, with results named ``transformer_lm_naive.*``). The
+corpus is the Python standard library's own ``*.py`` sources, as in
+``char_lm.py`` (first 90 % train, last 10 % validation); each step trains on
+random windows of the training text.
+
+The four runs share the initial weights and the data order; only the precision
+changes:
+
+* ``fp32``: policy ``f32``;
+* ``mixed_f16``: policy ``mixed_float16``, today's params-only way: the step
+  casts the params and the batch to float16 and every op runs in float16;
+* ``autocast_f16``: the same policy with ``make_train_step(..., autocast=True)``:
+  matmuls in float16, softmax, LayerNorm statistics, the loss and every other
+  float32-list op in float32;
+* ``autocast_bf16``: policy ``mixed_bfloat16`` with ``autocast=True``.
+
+The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
+with gradient clipping and float32 master weights. The script prints
+validation bits per byte, step times, skipped steps and the final loss scale,
+and writes ``transformer_lm.md``, ``transformer_lm.json`` and
+``transformer_lm.png`` (training loss curves) to ``--out`` (default
+``out/transformer_lm``, which git ignores; pass ``--out examples/results`` to
+regenerate the committed results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_lite as jmp
+
+import _common
+from char_lm import load_corpus, split
+
+VOCAB = 256  # bytes
+NAME = "transformer_lm"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "out" / NAME
+# mode: (policy, autocast)
+MODES = {
+    "fp32": ("f32", False),
+    "mixed_f16": ("mixed_float16", False),
+    "autocast_f16": ("mixed_float16", True),
+    "autocast_bf16": ("mixed_bfloat16", True),
+}
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm decoder block: causal self-attention and a GELU MLP."""
+
+  d_model: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+    h = nn.LayerNorm()(x)
+    return x + nn.Dense(self.d_model)(nn.gelu(nn.Dense(4 * self.d_model)(h)))
+
+
+class TransformerLM(nn.Module):
+  """Byte embeddings plus learned positions, ``layers`` blocks, a read-out."""
+
+  d_model: int = 128
+  layers: int = 2
+  heads: int = 4
+  max_len: int = 128
+
+  @nn.compact
+  def __call__(self, tokens):
+    positions = self.param("positions", nn.initializers.normal(0.02),
+                           (self.max_len, self.d_model))
+    x = nn.Embed(VOCAB, self.d_model)(tokens) + positions[: tokens.shape[-1]]
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(self.layers):
+      x = Block(self.d_model, self.heads)(x, mask)
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+@dataclasses.dataclass
+class Result:
+  mode: str
+  policy: str
+  autocast: bool
+  valid_bpb: float  # bits per byte on the validation text
+  train_loss: float  # mean of the last 50 steps, nats per byte
+  step_ms: float
+  skipped: int
+  final_scale: float
+  losses: np.ndarray
+  finite: np.ndarray
+
+
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+  """Inputs and next-byte targets of the windows starting at ``starts``."""
+  idx = starts[:, None] + np.arange(seq_len + 1)
+  chunk = tokens[idx]
+  return {"x": chunk[:, :-1], "y": chunk[:, 1:]}
+
+
+def loss_fn(model: TransformerLM, params, batch, naive: bool = False) -> jax.Array:
+  """Mean cross-entropy; ``naive`` writes the softmax as exp(logits) / sum(exp(logits))."""
+  logits = model.apply(params, batch["x"])
+  if naive:  # the issue's example: exp overflows float16 once a logit exceeds 11.1
+    probs = jnp.exp(logits) / jnp.sum(jnp.exp(logits), axis=-1, keepdims=True)
+    return -jnp.mean(jnp.log(jnp.take_along_axis(probs, batch["y"][..., None], axis=-1)))
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, batch: int) -> float:
+  """Bits per byte over the validation text, in the mode's precision."""
+  apply = model.apply
+  if autocast:
+    apply = jmp.autocast(apply, policy.compute_dtype)
+
+  @jax.jit
+  def nll(params, b):
+    logits = apply(policy.cast_to_compute(params), b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), b["y"]).sum()
+
+  starts = np.arange(0, len(valid) - seq_len - 1, seq_len)
+  starts = starts[: len(starts) // batch * batch]
+  total = sum(float(nll(params, windows(valid, s, seq_len)))
+              for s in starts.reshape(-1, batch))
+  return total / (len(starts) * seq_len) / math.log(2)
+
+
+def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.ndarray, *,
+        steps: int, batch: int, seq_len: int, lr: float, seed: int, naive: bool = False,
+        progress: bool = True) -> Result:
+  """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``."""
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+  policy_name, autocast = MODES[mode]
+  policy = jmp.get_policy(policy_name)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr / 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  if policy.compute_dtype == jnp.float16:
+    tx = jmp.dynamic_loss_scaling(tx, init_scale=2.0**15)
+  state = jmp.TrainState.create(params=params, tx=tx)
+  step = jmp.make_train_step(lambda p, b: loss_fn(model, p, b, naive), policy, autocast=autocast)
+
+  rng = np.random.default_rng(seed)  # the same data order in every mode
+  times, metrics = [], []
+  for _ in _common.progress(range(steps), desc=f"{mode:>13}", total=steps, enabled=progress):
+    b = windows(train, rng.integers(0, len(train) - seq_len - 1, batch), seq_len)
+    (state, m), seconds = _common.timed_step(step, state, b)
+    times.append(seconds)
+    metrics.append({k: m[k] for k in ("loss", "grads_finite")})
+  metrics = jax.device_get(metrics)
+  losses = np.array([m["loss"] for m in metrics], np.float32)
+  finite = np.array([bool(m["grads_finite"]) for m in metrics])
+  return Result(
+      mode=mode,
+      policy=str(policy),
+      autocast=autocast,
+      valid_bpb=evaluate(model, policy, autocast, state.params, valid, seq_len, batch),
+      train_loss=float(losses[-50:].mean()),
+      step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
+      skipped=int((~finite).sum()),
+      final_scale=float(jmp.loss_scale_of(state.opt_state)),
+      losses=losses,
+      finite=finite,
+  )
+
+
+def table(results: Sequence[Result]) -> str:
+  base = next((r for r in results if r.mode == "fp32"), results[0])
+  rows = [
+      [
+          r.mode,
+          r.policy,
+          "yes" if r.autocast else "no",
+          f"{r.valid_bpb:.4f}",
+          f"{100 * (r.valid_bpb / base.valid_bpb - 1):+.2f}%",
+          f"{r.train_loss:.3f}",
+          f"{r.step_ms:.1f}",
+          f"{r.step_ms / base.step_ms:.2f}x",
+          r.skipped,
+          f"{r.final_scale:.10g}",
+      ]
+      for r in results
+  ]
+  headers = ["mode", "policy", "autocast", "valid bits/byte", "vs fp32", "train loss (last 50)",
+             "step ms (median)", "time vs fp32", "skipped steps", "final scale"]
+  return _common.markdown_table(headers, rows)
+
+
+def plot(results: Sequence[Result], path: Path, loss: str) -> None:
+  """Training loss curves (left) and each mode's difference from fp32 (right)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  window = max(1, min(25, len(results[0].losses) // 10))
+
+  def mean(curve):  # moving mean over the applied (finite) steps, in bits; NaN where none
+    ok = np.isfinite(curve)
+    total = np.convolve(np.where(ok, curve, 0.0), np.ones(window), mode="valid")
+    count = np.convolve(ok.astype(float), np.ones(window), mode="valid")
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan) / math.log(2)
+
+  base = next((r for r in results if r.mode == "fp32"), None)
+  steps = np.arange(len(results[0].losses) - window + 1) + window
+  for r in results:
+    label = f"{r.mode}: valid {r.valid_bpb:.3f} bits/byte, {r.skipped} skipped"
+    curve = np.where(r.finite, r.losses, np.nan)
+    line, = ax1.plot(steps, mean(curve), label=label)
+    skipped = np.flatnonzero(~r.finite)
+    if skipped.size:
+      ax1.plot(skipped, np.full(skipped.size, 0.02), "|", color=line.get_color(), alpha=0.5,
+               transform=ax1.get_xaxis_transform())
+    if base is not None and r is not base:
+      ax2.plot(steps, mean(curve) - mean(base.losses), color=line.get_color(), label=r.mode)
+  ax1.set_xlabel("step")
+  ax1.set_ylabel(f"training loss, bits/byte ({window}-step mean of applied steps)")
+  ax1.set_title(f"Byte-level Transformer LM, {loss} cross-entropy (|: skipped steps)")
+  ax1.legend()
+  ax2.axhline(0.0, color="black", lw=0.8)
+  ax2.set_xlabel("step")
+  ax2.set_ylabel("training loss minus fp32's, bits/byte")
+  ax2.set_title("Difference from fp32")
+  ax2.legend()
+  for ax in (ax1, ax2):
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--steps", type=positive_int, default=1000, help="training steps per mode")
+  p.add_argument("--batch", type=positive_int, default=32, help="windows per step")
+  p.add_argument("--seq-len", type=positive_int, default=64, help="bytes per window")
+  p.add_argument("--d-model", type=positive_int, default=64)
+  p.add_argument("--layers", type=positive_int, default=2)
+  p.add_argument("--heads", type=positive_int, default=4)
+  p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+  p.add_argument("--corpus-mb", type=float, default=1.0, help="MB of stdlib source to read")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=tuple(MODES))
+  p.add_argument("--loss", choices=("optax", "naive"), default="optax",
+                 help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
+                      "(results named transformer_lm_naive.*)")
+  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI)")
+  p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                 help=f"results folder (default {DEFAULT_OUT.relative_to(DEFAULT_OUT.parents[1])})")
+  p.add_argument("--no-progress", action="store_true")
+  args = p.parse_args(argv)
+  if args.d_model % args.heads:
+    p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+  if args.smoke:
+    args.steps, args.batch, args.seq_len, args.d_model, args.layers = 8, 4, 16, 16, 1
+    args.heads, args.corpus_mb = 2, 0.05
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[Result]:
+  args = parse_args(argv)
+  name = NAME if args.loss == "optax" else f"{NAME}_naive"
+  train_tokens, valid_tokens = split(load_corpus(int(args.corpus_mb * 2**20)))
+  model = TransformerLM(d_model=args.d_model, layers=args.layers, heads=args.heads,
+                        max_len=args.seq_len)
+  params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  print(f"stdlib source: {len(train_tokens):,} train / {len(valid_tokens):,} valid bytes; "
+        f"Transformer {args.layers}x d_model {args.d_model}, {args.heads} heads, "
+        f"{n_params:,} params; batch {args.batch} x {args.seq_len} bytes, {args.steps} steps "
+        f"per mode; {args.loss} cross-entropy; modes {', '.join(args.modes)}; "
+        f"{_common.machine()}", flush=True)
+  results = []
+  for mode in args.modes:
+    print(f"training {mode} (policy {MODES[mode][0]}, autocast {MODES[mode][1]}) ...", flush=True)
+    results.append(run(mode, model, params, train_tokens, valid_tokens, steps=args.steps,
+                       batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                       naive=args.loss == "naive", progress=not args.no_progress))
+  text = table(results)
+  print()
+  print(text)
+  png = args.out / f"{name}.png"
+  args.out.mkdir(parents=True, exist_ok=True)
+  plot(results, png, args.loss)
+  payload = {
+      "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+      "train_bytes": len(train_tokens),
+      "valid_bytes": len(valid_tokens),
+      "params": n_params,
+      "results": [
+          {k: v for k, v in dataclasses.asdict(r).items() if not isinstance(v, np.ndarray)}
+          for r in results
+      ],
+  }
+  written = _common.write_results(args.out, name, text, payload)
+  print("wrote " + ", ".join(str(p) for p in [png, *written]))
+  return results
+
+
+if __name__ == "__main__":
+  main()
