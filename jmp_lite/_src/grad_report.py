@@ -66,10 +66,10 @@ class GradientReport:
     overflow_fraction: over all floating leaves, the fraction of non-zero
       elements whose cast is +-inf or NaN (non-finite inputs included).
     zero_fraction: the fraction of all elements that are exactly 0.
-    max_abs: the largest finite |g| (0 if there is none).
+    max_abs: the largest finite ``|g|`` (0 if there is none).
     leaf_stats: a :class:`LeafStats` of float32 vectors, one entry per leaf
       in the order of ``leaf_paths`` (:attr:`per_leaf` is the same as a dict).
-    histogram: int32 counts of floor(log2|g|) over the finite non-zero
+    histogram: int32 counts of ``floor(log2|g|)`` over the finite non-zero
       elements of unscaled ``g``, in the bins given by :attr:`bin_edges`.
     suggested_loss_scale: the largest power of two ``s`` with
       ``max_abs * s * 2 <= finfo(dtype).max``.

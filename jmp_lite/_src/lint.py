@@ -137,22 +137,22 @@ def precision_lint(
   (``jax.make_jaxpr``) is then read, sub-jaxprs (``jit``, ``custom_jvp``,
   ``scan``, ``cond``, ...) included. The rules:
 
-  ======================================  =========================  ===========
-  finding                                 when                       dtypes
-  ======================================  =========================  ===========
-  ``softmax/logsumexp``                   exp whose output is summed  f16
-  ``exp`` ``exp2`` ``expm1`` ``log``      operand dtype               f16
+  ========================================  ==========================  ===========
+  finding                                   when                        dtypes
+  ========================================  ==========================  ===========
+  ``softmax/logsumexp``                     exp whose output is summed  f16
+  ``exp`` ``exp2`` ``expm1`` ``log``        operand dtype               f16
   ``log1p``
-  ``reduce_sum`` ``reduce_prod``          operand is f16, or the      f16
-  ``cumsum`` ``cumprod`` ``cumlogsumexp``  result is cast back to f16
-  ``dot_general``                         contracting size or output  f16, bf16
-                                          features not a multiple
-                                          of 8
-  ``conv_general_dilated``                input or output channels    f16, bf16
-                                          not a multiple of 8
-  ``loss``                                the first output is an f16  f16
-                                          scalar
-  ======================================  =========================  ===========
+  ``reduce_sum`` ``reduce_prod``            operand is f16, or the      f16
+  ``cumsum`` ``cumprod`` ``cumlogsumexp``   result is cast back to f16
+  ``dot_general``                           contracting size or output  f16, bf16
+                                            features not a multiple
+                                            of 8
+  ``conv_general_dilated``                  input or output channels    f16, bf16
+                                            not a multiple of 8
+  ``loss``                                  the first output is an f16  f16
+                                            scalar
+  ========================================  ==========================  ===========
 
   bfloat16 has float32's exponent range, so only the tensor-core alignment
   rule applies to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in

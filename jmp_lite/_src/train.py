@@ -591,7 +591,7 @@ def make_train_step(
   included. It remembers the tree structure of the params and the batch of its
   first call and refuses another structure with a ``ValueError`` rather than
   recompiling silently. It runs unchanged on sharded inputs (a
-  ``jax.sharding.Mesh`` with ``NamedSharding``s on the state and the batch):
+  ``jax.sharding.Mesh`` with a ``NamedSharding`` per array of the state and the batch):
   XLA inserts the reductions, and the skip decision covers every shard.
 
   Model state: when ``state.model_state`` is set (:meth:`TrainState.create`'s
