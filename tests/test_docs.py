@@ -1,0 +1,129 @@
+"""The documentation: the Sphinx site builds without warnings, every public name
+is in the API reference, and every Python block of the README and the guides runs.
+
+Code blocks run page by page: the ```` ```python ```` blocks of one page are
+executed in order in one fresh namespace, so a page's snippets may build on each
+other but never on another page's. A block preceded by the line
+``<!-- devices: 4 -->`` needs 4 devices: its whole page then runs in a
+subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. A block
+preceded by ``<!-- not-run: <reason> -->`` is not executed, and the list of
+those blocks must equal ``NOT_RUN`` below, so that nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jmp_lite
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+# (page, first line of the block) -> why it is not run.
+NOT_RUN = {
+    ("docs/sharding.md", "import jax"):
+        "multi-host: needs jax.distributed.initialize and one process per host",
+}
+
+_FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+_MARKER = re.compile(r"<!--\s*(not-run|devices):\s*(.*?)\s*-->\s*$")
+
+
+def _blocks(page: pathlib.Path) -> list[tuple[str, str, str]]:
+  """``(code, marker, argument)`` for each Python block of ``page``, in order."""
+  text = page.read_text()
+  blocks = []
+  for match in _FENCE.finditer(text):
+    before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+    marker = _MARKER.search(before)
+    kind, arg = (marker.group(1), marker.group(2)) if marker else ("", "")
+    blocks.append((match.group(1), kind, arg))
+  return blocks
+
+
+def _rel(page: pathlib.Path) -> str:
+  return page.relative_to(ROOT).as_posix()
+
+
+def _runnable(page: pathlib.Path) -> tuple[str, bool]:
+  """The page's code to run (blocks joined in order) and whether it needs 4 devices."""
+  parts, devices = [], False
+  for i, (code, kind, arg) in enumerate(_blocks(page)):
+    if kind == "not-run":
+      continue
+    if kind == "devices":
+      assert arg == "4", f"{_rel(page)} block {i}: only '<!-- devices: 4 -->' is supported"
+      devices = True
+    parts.append(f"# --- {_rel(page)}, block {i}\n{code}")
+  return "\n".join(parts), devices
+
+
+def test_not_run_blocks_are_the_expected_ones():
+  found = {}
+  for page in PAGES:
+    for code, kind, reason in _blocks(page):
+      if kind == "not-run":
+        found[(_rel(page), code.strip().splitlines()[0])] = reason
+  assert found == NOT_RUN
+
+
+def test_every_page_with_code_has_python_blocks_found():
+  # Guards the extractor: a fence it does not recognise would silently run nothing.
+  for page in PAGES:
+    text = page.read_text()
+    assert text.count("```python") == len(_blocks(page)), _rel(page)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=_rel)
+def test_page_code_runs(page, tmp_path, monkeypatch):
+  code, devices = _runnable(page)
+  if not code:
+    pytest.skip("every block of this page is marked not-run (see NOT_RUN)")
+  if devices:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=4").strip()
+    script = tmp_path / "page.py"
+    script.write_text("import warnings\nwarnings.simplefilter('error')\n" + code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{_rel(page)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return
+  monkeypatch.chdir(tmp_path)  # Snippets may write files (plots, checkpoints).
+  namespace = {"__name__": "__docs__"}
+  exec(compile(code, _rel(page), "exec"), namespace)
+
+
+def test_every_public_name_is_in_the_api_reference():
+  source = (DOCS / "api.md").read_text()
+  documented = set(re.findall(r"^\.\. (?:autoclass|autofunction|py:data):: jmp_lite\.(\w+)",
+                              source, re.M))
+  assert documented == set(jmp_lite.__all__), (
+      f"missing: {sorted(set(jmp_lite.__all__) - documented)}, "
+      f"not public: {sorted(documented - set(jmp_lite.__all__))}")
+
+
+def test_docs_pages_are_in_the_toctree():
+  index = (DOCS / "index.md").read_text()
+  toctrees = re.findall(r"```\{toctree\}\n(.*?)```", index, re.S)
+  listed = {line.strip() for tree in toctrees for line in tree.splitlines()
+            if line.strip() and not line.startswith(":")}
+  assert listed == {p.stem for p in DOCS.glob("*.md")} - {"index"}
+
+
+@pytest.mark.slow
+def test_sphinx_build_has_no_warnings(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
+       str(DOCS), str(tmp_path / "html")],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  assert (tmp_path / "html" / "api.html").exists()
