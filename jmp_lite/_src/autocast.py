@@ -14,16 +14,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Iterable, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, ParamSpec, Sequence, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from jmp_lite._src import jaxpr_utils
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 _F32 = np.dtype(jnp.float32)
 _HALVES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -149,7 +151,7 @@ class AutocastLists:
   float32: frozenset[str] = FLOAT32_OPS
   promote: frozenset[str] = PROMOTE_OPS
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     fields = ("half", "float32", "promote")
     for field in fields:
       object.__setattr__(self, field, _as_names(field, getattr(self, field)))
@@ -223,7 +225,7 @@ def _dtype(x: Any) -> Union[np.dtype, None]:
 
 @functools.lru_cache(maxsize=None)
 def _extended(dtype: Any) -> bool:
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  return jnp.issubdtype(dtype, jax.dtypes.extended)
 
 
 class _Moved:
@@ -237,9 +239,9 @@ class _Moved:
 
   __slots__ = ("src", "steps", "dtype", "_done")
 
-  def __init__(self, src: Any, steps: tuple):
+  def __init__(self, src: Any, steps: tuple[Any, ...]) -> None:
     self.src, self.steps, self.dtype = src, steps, _dtype(src)
-    self._done: dict = {}
+    self._done: dict[Any, Any] = {}
 
   def get(self, dtype: Any = None) -> Any:
     """The moved value in ``dtype`` (default: the source's), computed once per dtype."""
@@ -258,7 +260,7 @@ def _value(x: Any) -> Any:
   return x.get() if isinstance(x, _Moved) else x
 
 
-def _cast(x: Any, dtype: Any, cache: dict) -> Any:
+def _cast(x: Any, dtype: Any, cache: dict[Any, Any]) -> Any:
   """``x`` in ``dtype``; literals stay NumPy constants, one convert per value."""
   if isinstance(x, _Moved):
     return x.get(dtype)
@@ -288,13 +290,16 @@ def _join(a: Union[np.dtype, None], b: Union[np.dtype, None]) -> Union[np.dtype,
 # The interpreter.
 
 
-def _eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Config) -> list:
+def _eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Config) -> list[Any]:
   """Evaluates an open ``jaxpr`` on ``args`` with autocast's per-op dtypes."""
   env: dict[Any, Any] = {}
-  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  def read(v: Any) -> Any:
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
-  casts: dict = {}
+  casts: dict[Any, Any] = {}
   for eqn, dead in zip(jaxpr.eqns, jaxpr_utils.last_uses(jaxpr)):
     ins = [read(v) for v in eqn.invars]
     with jaxpr_utils.eqn_context(eqn):
@@ -305,7 +310,7 @@ def _eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Co
   return [_value(read(v)) for v in jaxpr.outvars]
 
 
-def _eval_closed(closed: Any, args: Sequence[Any], cfg: _Config) -> list:
+def _eval_closed(closed: Any, args: Sequence[Any], cfg: _Config) -> list[Any]:
   return _eval_jaxpr(closed.jaxpr, closed.consts, args, cfg)
 
 
@@ -316,7 +321,7 @@ _MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose"})
 _FIRST_ORDER = HALF_OPS | FLOAT32_OPS | PROMOTE_OPS
 
 
-def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:
+def _eval_eqn(eqn: Any, ins: list[Any], cfg: _Config, casts: dict[Any, Any]) -> list[Any]:
   name = eqn.primitive.name
   handler = _HANDLERS.get(name)
   if handler is not None:
@@ -354,7 +359,7 @@ def _eval_eqn(eqn: Any, ins: list, cfg: _Config, casts: dict) -> list:
   return jaxpr_utils.bind(eqn, ins, _retarget(eqn, target))
 
 
-def _promote_target(eqn: Any, ins: list, floats: list[int]) -> np.dtype:
+def _promote_target(eqn: Any, ins: list[Any], floats: list[int]) -> np.dtype:
   """The widest dtype among the floating operands, constants aside if they fit.
 
   A jaxpr records Python scalars as strongly typed literals, so ``h * 0.5``
@@ -362,7 +367,10 @@ def _promote_target(eqn: Any, ins: list, floats: list[int]) -> np.dtype:
   does not widen the operation unless its value overflows or underflows (is
   below the smallest normal number) in the dtype of the other operands.
   """
-  constant = lambda i: _is_constant(eqn.invars[i])
+
+  def constant(i: int) -> bool:
+    return _is_constant(eqn.invars[i])
+
   strong = [_dtype(ins[i]) for i in floats if not constant(i)]
   if not strong:
     return _widest(_dtype(ins[i]) for i in floats)
@@ -399,7 +407,7 @@ def _retarget(eqn: Any, target: np.dtype) -> Any:
   return {**eqn.params, "preferred_element_type": target}
 
 
-def _convert(eqn: Any, ins: list, casts: dict) -> list:
+def _convert(eqn: Any, ins: list[Any], casts: dict[Any, Any]) -> list[Any]:
   """convert_element_type: float32 to float16/bfloat16 is kept wide; the rest is done.
 
   Constants are the exception: a literal or a weakly typed operand (a Python
@@ -424,7 +432,9 @@ def _is_constant(atom: Any) -> bool:
   return isinstance(atom, jex_core.Literal) or getattr(atom.aval, "weak_type", False)
 
 
-def _bind_original(eqn: Any, ins: Sequence[Any], casts: Union[dict, None] = None) -> list:
+def _bind_original(
+    eqn: Any, ins: Sequence[Any], casts: Union[dict[Any, Any], None] = None
+) -> list[Any]:
   """``eqn`` applied as traced: floating inputs cast back to the declared dtypes."""
   casts = {} if casts is None else casts
   ins = [_cast(x, np.dtype(v.aval.dtype), casts) if jaxpr_utils.is_floating(_dtype(x))
@@ -438,7 +448,7 @@ def _bind_original(eqn: Any, ins: Sequence[Any], casts: Union[dict, None] = None
 # Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches
 # a jitted function's jaxpr, so a function autocast sees again (a second call,
 # or a second use of the same jnp function) is interpreted once and compiled once.
-_JIT_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_JIT_CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
 _MAX_FIXPOINT = 4  # Carry dtypes only widen: f16/bf16 -> f32 takes at most two rounds.
 
 
@@ -451,7 +461,7 @@ def _no_tracers(closed: Any) -> bool:
   return _TRACER is not None and not any(isinstance(c, _TRACER) for c in closed.consts)
 
 
-def _jit(eqn: Any, ins: list, cfg: _Config) -> list:
+def _jit(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   closed = eqn.params["jaxpr"]
   key = (cfg, tuple(jax.typeof(x) for x in ins))
   per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
@@ -463,25 +473,27 @@ def _jit(eqn: Any, ins: list, cfg: _Config) -> list:
   return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": new})
 
 
-def _call(eqn: Any, ins: list, cfg: _Config) -> list:
+def _call(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   body = eqn.params["call_jaxpr"]
   if isinstance(body, jex_core.ClosedJaxpr):
     return _eval_closed(body, ins, cfg)
   return _eval_jaxpr(body, (), ins, cfg)
 
 
-def _remat(eqn: Any, ins: list, cfg: _Config) -> list:
+def _remat(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   p = eqn.params
   body = lambda *a: _eval_jaxpr(p["jaxpr"], (), a, cfg)
   return list(jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*ins))
 
 
-def _cast_all(xs: Sequence[Any], dtypes: Sequence[Any]) -> list:
-  casts: dict = {}
+def _cast_all(xs: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+  casts: dict[Any, Any] = {}
   return [x if d not in _ELIGIBLE else _cast(x, d, casts) for x, d in zip(xs, dtypes)]
 
 
-def _carry_fixpoint(body: Any, consts: list, init: list, x_avals: list, cfg: _Config):
+def _carry_fixpoint(
+    body: Any, consts: list[Any], init: list[Any], x_avals: list[Any], cfg: _Config
+) -> tuple[Any, list[Any]]:
   """Traces ``body(consts, carry, xs) -> (carry, ys)`` until the carry dtypes are stable.
 
   Each carry starts in its initial value's dtype and widens to what the body
@@ -502,14 +514,14 @@ def _carry_fixpoint(body: Any, consts: list, init: list, x_avals: list, cfg: _Co
   return closed, dtypes
 
 
-def _scan(eqn: Any, ins: list, cfg: _Config) -> list:
+def _scan(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
   consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   x_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], jax.typeof(x).dtype) for x in xs]
   closed, dtypes = _carry_fixpoint(p["jaxpr"], consts, init, x_avals, cfg)
 
-  def step(carry, x):
+  def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
     outs = jex_core.jaxpr_as_fun(closed)(*consts, *carry, *x)
     return _cast_all(outs[:nk], dtypes), outs[nk:]
 
@@ -518,7 +530,7 @@ def _scan(eqn: Any, ins: list, cfg: _Config) -> list:
   return [*carry, *ys]
 
 
-def _while(eqn: Any, ins: list, cfg: _Config) -> list:
+def _while(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   p = eqn.params
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
   cond_consts, body_consts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
@@ -528,7 +540,7 @@ def _while(eqn: Any, ins: list, cfg: _Config) -> list:
   return list(jax.lax.while_loop(cond, body, _cast_all(init, dtypes)))
 
 
-def _cond(eqn: Any, ins: list, cfg: _Config) -> list:
+def _cond(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   index, ops = ins[0], ins[1:]
   closed = [jax.make_jaxpr(lambda *a, b=b: _eval_closed(b, a, cfg))(*ops)
             for b in eqn.params["branches"]]
@@ -542,18 +554,18 @@ def _floating_indices(atoms: Sequence[Any]) -> list[int]:
   return [i for i, v in enumerate(atoms) if jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))]
 
 
-def _with(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list:
+def _with(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list[Any]:
   out = list(xs)
   for i, v in zip(idx, values):
     out[i] = v
   return out
 
 
-def _declared(atoms: Sequence[Any]) -> list:
+def _declared(atoms: Sequence[Any]) -> list[Any]:
   return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in atoms]
 
 
-def _custom_jvp(eqn: Any, ins: list, cfg: _Config) -> list:
+def _custom_jvp(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   """A ``jax.custom_jvp`` whose primal and JVP rule both run under autocast.
 
   The rule is the original one, reached through ``jax.jvp`` of the equation
@@ -562,14 +574,15 @@ def _custom_jvp(eqn: Any, ins: list, cfg: _Config) -> list:
   the primal outputs' dtypes.
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
-  primal = lambda *xs: _eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+  def primal(*xs: Any) -> list[Any]:
+    return _eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
-  def tangents_as_traced(*flat):
+  def tangents_as_traced(*flat: Any) -> Any:
     xs, ts = flat[:len(ins)], flat[len(ins):]
     f = lambda *fx: [_bind_original(eqn, _with(xs, fi, fx))[j] for j in fo]
     return jax.jvp(f, [xs[i] for i in fi], list(ts))[1]
 
-  def rule(xs, ts):
+  def rule(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     out = primal(*xs)
     closed = jax.make_jaxpr(tangents_as_traced)(
         *_declared(eqn.invars), *_declared([eqn.invars[i] for i in fi]))
@@ -583,7 +596,7 @@ def _custom_jvp(eqn: Any, ins: list, cfg: _Config) -> list:
   return list(f(*ins))
 
 
-def _custom_vjp(eqn: Any, ins: list, cfg: _Config) -> list:
+def _custom_vjp(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   """A ``jax.custom_vjp`` whose primal, forward and backward rules run under autocast.
 
   The original rules are reached through ``jax.vjp`` of the equation applied as
@@ -594,26 +607,28 @@ def _custom_vjp(eqn: Any, ins: list, cfg: _Config) -> list:
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
   in_dtypes = [_dtype(x) for x in ins]
-  primal = lambda *xs: _eval_closed(eqn.params["call_jaxpr"], xs, cfg)
   pullback: dict[str, Any] = {}
 
-  def forward_as_traced(*xs):
+  def primal(*xs: Any) -> list[Any]:
+    return _eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+
+  def forward_as_traced(*xs: Any) -> list[Any]:
     f = lambda *fx: _bind_original(eqn, _with(xs, fi, fx))
     _, vjp_fn = jax.vjp(f, *[xs[i] for i in fi])
     residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
     return residuals
 
-  def backward_as_traced(*flat):
+  def backward_as_traced(*flat: Any) -> Any:
     residuals, cts = flat[:len(pullback["avals"])], flat[len(pullback["avals"]):]
     zeros = [np.zeros(v.aval.shape, jax.dtypes.float0) for v in eqn.outvars]
     return jax.tree.unflatten(pullback["tree"], residuals)(_with(zeros, fo, cts))
 
-  def fwd(*xs):
+  def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
     pullback["avals"] = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
     return primal(*xs), _eval_closed(closed, xs, cfg)
 
-  def bwd(residuals, cts):
+  def bwd(residuals: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
     closed = jax.make_jaxpr(backward_as_traced)(
         *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
     grads = _eval_closed(closed, [*residuals, *(cts[j] for j in fo)], cfg)
@@ -625,9 +640,12 @@ def _custom_vjp(eqn: Any, ins: list, cfg: _Config) -> list:
   return list(f(*ins))
 
 
-def _shard_map(eqn: Any, ins: list, cfg: _Config) -> list:
+def _shard_map(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
   p = eqn.params
-  body = lambda *a: tuple(_eval_jaxpr(p["jaxpr"], (), a, cfg))
+
+  def body(*a: Any) -> tuple[Any, ...]:
+    return tuple(_eval_jaxpr(p["jaxpr"], (), a, cfg))
+
   mapped = jax.shard_map(body, mesh=p["mesh"], in_specs=p["in_specs"], out_specs=p["out_specs"],
                          check_vma=p["check_vma"], axis_names=p["newly_manual_axes"])
   return list(mapped(*ins))
@@ -635,7 +653,7 @@ def _shard_map(eqn: Any, ins: list, cfg: _Config) -> list:
 
 # Each handler with the params it reads: a JAX release that renames them makes
 # the primitive run as traced (safe) instead of failing.
-_HANDLERS_AND_PARAMS: dict[str, tuple[Callable[..., list], tuple[str, ...]]] = {
+_HANDLERS_AND_PARAMS: dict[str, tuple[Callable[..., list[Any]], tuple[str, ...]]] = {
     "jit": (_jit, ("jaxpr",)),
     "closed_call": (_call, ("call_jaxpr",)),
     "call": (_call, ("call_jaxpr",)),
@@ -650,13 +668,13 @@ _HANDLERS_AND_PARAMS: dict[str, tuple[Callable[..., list], tuple[str, ...]]] = {
 }
 
 
-def _handler(name: str) -> Union[Callable[..., list], None]:
+def _handler(name: str) -> Union[Callable[..., list[Any]], None]:
   entry = _HANDLERS_AND_PARAMS.get(name)
   if entry is None:
     return None
   fn, needed = entry
 
-  def guarded(eqn, ins, cfg):
+  def guarded(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
     if not all(k in eqn.params for k in needed):
       return _bind_original(eqn, ins)
     return fn(eqn, ins, cfg)
@@ -679,8 +697,8 @@ def _is_array(x: Any) -> bool:
 
 
 def autocast(
-    fun: Callable[..., T], dtype: Any, *, lists: Union[AutocastLists, None] = None
-) -> Callable[..., T]:
+    fun: Callable[P, T], dtype: DTypeLike, *, lists: Union[AutocastLists, None] = None
+) -> Callable[P, T]:
   """Runs ``fun`` with per-operation mixed precision, as ``torch.autocast`` does.
 
   Returns a function with ``fun``'s signature (positional and keyword
@@ -769,12 +787,12 @@ def autocast(
   cfg = _Config(_check_dtype(dtype), lists)
 
   @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
+  def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     traced = [_is_array(x) for x in leaves]
     out_info: dict[str, Any] = {}
 
-    def flat_fun(*arrays):
+    def flat_fun(*arrays: Any) -> list[Any]:
       it = iter(arrays)
       a, k = jax.tree.unflatten(treedef, [next(it) if t else x for x, t in zip(leaves, traced)])
       out_leaves, out_info["tree"] = jax.tree.flatten(fun(*a, **k))

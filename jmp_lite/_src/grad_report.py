@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from jmp_lite._src import checks
@@ -147,7 +148,7 @@ class GradientReport:
       lines.append(f"... {len(rows) - top} more leaves")
     return "\n".join(lines)
 
-  def plot(self, path: Union[str, os.PathLike, None] = None, *, ax: Any = None) -> Any:
+  def plot(self, path: Union[str, os.PathLike[str], None] = None, *, ax: Any = None) -> Any:
     """Draws the histogram of log2|g| against ``dtype``'s range; saves a PNG to ``path``.
 
     The x axis is log2 of a magnitude. The grey outline is the histogram of
@@ -231,7 +232,7 @@ def _report(leaves: tuple[jax.Array, ...], scale: jax.Array, dtype: np.dtype,
   bins = jnp.where(finite_nonzero, bins, _NUM_BINS)  # An extra bin, dropped.
   hist = jnp.bincount(bins, length=_NUM_BINS + 1)[:_NUM_BINS].astype(jnp.int32)
 
-  def per_leaf(mask):
+  def per_leaf(mask: jax.Array) -> jax.Array:
     return jax.ops.segment_sum(mask.astype(jnp.int32), ids, len(parts), indices_are_sorted=True)
 
   nz = per_leaf(nonzero)
@@ -249,7 +250,9 @@ def _report(leaves: tuple[jax.Array, ...], scale: jax.Array, dtype: np.dtype,
       zero_fraction=_fraction(zero, size),
       max_abs=leaf_max,
   )
-  total = lambda c: jnp.sum(c.astype(jnp.float32))
+  def total(c: jax.Array) -> jax.Array:
+    return jnp.sum(c.astype(jnp.float32))
+
   max_abs = jnp.max(leaf_max)
   return GradientReport(
       underflow_fraction=_fraction(total(under), total(nz)),
@@ -266,7 +269,7 @@ def _report(leaves: tuple[jax.Array, ...], scale: jax.Array, dtype: np.dtype,
 
 
 def gradient_report(
-    grads: Any, *, dtype: DTypeLike = jnp.float16, loss_scale: ArrayLike = 1.0
+    grads: optax.Updates, *, dtype: DTypeLike = jnp.float16, loss_scale: ArrayLike = 1.0
 ) -> GradientReport:
   """Measures what casting ``grads * loss_scale`` to ``dtype`` does, on device.
 

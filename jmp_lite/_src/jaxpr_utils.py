@@ -18,13 +18,14 @@ import sys
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
 try:  # Frames of a trace. JAX has no public API for them yet; degrade to no source.
   from jax._src import source_info_util as _source_info_util
 except ImportError:  # pragma: no cover - depends on the JAX release.
-  _source_info_util = None
+  _source_info_util = None  # type: ignore[assignment]  # The fallback: no module.
 
 # Packages whose frames are not "user code" when naming a source line.
 LIBRARIES = ("jax", "flax", "optax", "chex", "equinox", "haiku", "jmp", "jmp_lite")
@@ -55,7 +56,7 @@ def walk(jaxpr: Any) -> Iterator[Any]:
 def dtype_of(v: Any) -> Union[np.dtype, None]:
   """The numpy dtype of a jaxpr variable; ``None`` for tokens and PRNG keys."""
   dtype = getattr(getattr(v, "aval", None), "dtype", None)
-  if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+  if dtype is None or jnp.issubdtype(dtype, jax.dtypes.extended):
     return None
   return np.dtype(dtype)
 
@@ -67,11 +68,11 @@ def is_floating(dtype: Any) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _is_floating(dtype: Any) -> bool:  # issubdtype is slow, and called per operand.
-  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-          and jax.dtypes.issubdtype(dtype, np.floating))
+  return (not jnp.issubdtype(dtype, jax.dtypes.extended)
+          and jnp.issubdtype(dtype, np.floating))
 
 
-def bind(eqn: Any, args: list, params: Union[Mapping[str, Any], None] = None) -> list:
+def bind(eqn: Any, args: list[Any], params: Union[Mapping[str, Any], None] = None) -> list[Any]:
   """Applies ``eqn``'s primitive to ``args`` (with ``params``, default its own); a list."""
   params = eqn.params if params is None else params
   out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
@@ -94,9 +95,9 @@ class _EqnContext:
 
   __slots__ = ("eqn", "managers")
 
-  def __init__(self, eqn: Any):
+  def __init__(self, eqn: Any) -> None:
     self.eqn = eqn
-    self.managers: list = []
+    self.managers: list[Any] = []
 
   def __enter__(self) -> None:
     eqn = self.eqn
@@ -152,9 +153,9 @@ def last_uses(jaxpr: Any) -> list[list[Any]]:
   return drops
 
 
-def consumers(jaxpr: Any) -> Mapping[Any, list]:
+def consumers(jaxpr: Any) -> Mapping[Any, list[Any]]:
   """Maps each variable of ``jaxpr`` to the equations that read it."""
-  out = collections.defaultdict(list)
+  out: collections.defaultdict[Any, list[Any]] = collections.defaultdict(list)
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
       if isinstance(v, jex_core.Var):
@@ -164,15 +165,16 @@ def consumers(jaxpr: Any) -> Mapping[Any, list]:
 
 def reaches(
     var: Any,
-    readers: Mapping[Any, list],
+    readers: Mapping[Any, list[Any]],
     through: frozenset[str],
     hit: Callable[[Any], bool],
     max_hops: int = 4,
-) -> list:
+) -> list[Any]:
   """Equations satisfying ``hit`` reachable from ``var`` through ``through`` primitives."""
-  found, frontier, seen = [], [var], set()
+  found: list[Any] = []
+  frontier, seen = [var], set()
   for _ in range(max_hops):
-    nxt = []
+    nxt: list[Any] = []
     for v in frontier:
       for eqn in readers.get(v, ()):
         if id(eqn) in seen:
@@ -190,9 +192,9 @@ def library_roots() -> tuple[str, ...]:
   """Directories of the imported :data:`LIBRARIES`, each ending in a separator."""
   roots = []
   for name in LIBRARIES:
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None):
-      roots.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if file:
+      roots.append(os.path.dirname(os.path.abspath(file)) + os.sep)
   return tuple(roots)
 
 
@@ -202,9 +204,9 @@ def source_of(eqn: Any, roots: tuple[str, ...]) -> Union[str, None]:
     return None
   frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
   user = [f for f in frames if not os.path.abspath(f.file_name).startswith(roots)]
-  frame = (user or frames or [None])[0]
-  if frame is None:
+  if not (user or frames):
     return None
+  frame = (user or frames)[0]
   name = frame.file_name
   try:
     rel = os.path.relpath(name)

@@ -72,7 +72,7 @@ def _alignment(eqn: Any) -> Union[str, None]:
   if not bad:
     return None
   return (f"{' and '.join(bad)} not a multiple of 8 in "
-          f"{jaxpr_utils.dtype_of(eqn.invars[0]).name}: "
+          f"{np.dtype(eqn.invars[0].aval.dtype).name}: "
           "tensor cores need multiples of 8 (pad the layer)")
 
 
@@ -80,9 +80,11 @@ def _lint_jaxpr(
     jaxpr: Any, roots: tuple[str, ...], findings: list[LintFinding], outer: Union[str, None]
 ) -> None:
   """Appends the findings of ``jaxpr``; ``outer`` is the source of the eqn holding it."""
-  source = lambda eqn: jaxpr_utils.source_of(eqn, roots) or outer  # Sub-jaxprs may lack tracebacks.
+  def source(eqn: Any) -> Union[str, None]:
+    return jaxpr_utils.source_of(eqn, roots) or outer  # Sub-jaxprs may lack tracebacks.
+
   readers = jaxpr_utils.consumers(jaxpr)
-  explained = set()  # Sums and logs already reported as part of a softmax.
+  explained: set[int] = set()  # Sums and logs already reported as part of a softmax.
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     in_dtype = jaxpr_utils.dtype_of(eqn.invars[0]) if eqn.invars else None
@@ -213,13 +215,14 @@ def precision_lint(
   if checks.boolean("autocast", autocast):
     fn = autocast_lib.autocast(fn, policy.compute_dtype)
 
-  def cast_args(*args):
+  def cast_args(*args: Any) -> Any:
     # Cast inside the trace, where arrays and ShapeDtypeStructs are both tracers.
     cast = [policy.cast_to_compute(args[0])] if args else []
     return fn(*cast, *(tree_utils.cast_floating(a, policy.compute_dtype) for a in args[1:]))
 
   jaxpr = jax.make_jaxpr(cast_args)(*args).jaxpr
-  roots, findings = jaxpr_utils.library_roots(), []
+  roots = jaxpr_utils.library_roots()
+  findings: list[LintFinding] = []
   _lint_jaxpr(jaxpr, roots, findings, None)
   out = jaxpr.outvars[0] if jaxpr.outvars else None
   if out is not None and jaxpr_utils.dtype_of(out) == _F16 and out.aval.shape == ():

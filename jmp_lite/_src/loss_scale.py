@@ -65,7 +65,7 @@ def _multiply_leaves(tree: T, factor: Any) -> T:
     return tree_utils.map_inexact(lambda x: x * jnp.asarray(factor, x.dtype), tree)
   factor = jnp.asarray(factor)
 
-  def mul(x):
+  def mul(x: jax.Array) -> jax.Array:
     with jax.numpy_dtype_promotion("standard"):
       dtype = jnp.promote_types(tree_utils.wide_dtype(x.dtype) if x.dtype.itemsize == 1
                                 else x.dtype, factor.dtype)
@@ -131,7 +131,7 @@ def select_tree(pred: ArrayLike, a: T, b: T) -> T:
   if pred.shape != ():
     raise ValueError(f"select_tree: pred must be a scalar, got shape {pred.shape}")
 
-  def select(path, x, y):
+  def select(path: tree_utils.KeyPath, x: Any, y: Any) -> jax.Array:
     if _shape_and_dtype(x) != _shape_and_dtype(y):
       (xs, xd), (ys, yd) = _shape_and_dtype(x), _shape_and_dtype(y)
       raise TypeError(
@@ -204,9 +204,9 @@ class StaticLossScale:
     True
   """
 
-  loss_scale: Any
+  loss_scale: ArrayLike
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.loss_scale, jax.Array):  # Arrays may be traced.
       value = checks.positive_finite("loss_scale", self.loss_scale)
       object.__setattr__(self, "loss_scale", value)
@@ -285,13 +285,14 @@ class DynamicLossScale:
     32768.0
   """
 
-  loss_scale: jax.Array
-  counter: jax.Array = 0
+  # ArrayLike: what the constructor takes; __post_init__ stores arrays.
+  loss_scale: ArrayLike
+  counter: ArrayLike = 0
   period: int = dataclasses.field(default=2000, metadata=dict(static=True))
   factor: float = dataclasses.field(default=2, metadata=dict(static=True))
-  min_loss_scale: jax.Array = 1.0
+  min_loss_scale: ArrayLike = 1.0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if _is_python_or_numpy(self.loss_scale):
       checks.positive_finite("loss_scale", self.loss_scale)
     if _is_python_or_numpy(self.min_loss_scale):

@@ -117,7 +117,7 @@ def as_key(key: Any) -> jax.Array:
   shape = getattr(key, "shape", None)
   if dtype is None or isinstance(key, (bool, int, float)):
     raise TypeError(_KEY_MSG.format(what=repr(key)))
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
     if shape != ():
       raise TypeError(_KEY_MSG.format(what=f"an array of {shape} keys"))
     return key
@@ -188,7 +188,10 @@ def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:
     A bfloat16 array of ``x``'s shape.
   """
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  to_bf16 = lambda b: jax.lax.bitcast_convert_type((b >> 16).astype(jnp.uint16), jnp.bfloat16)
+
+  def to_bf16(b: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type((b >> 16).astype(jnp.uint16), jnp.bfloat16)
+
   rounded = to_bf16(bits + _low_bits(x.shape, seed))
   truncated = to_bf16(bits)
   finite = jnp.where(jnp.isinf(rounded), truncated, rounded)

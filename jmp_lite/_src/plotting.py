@@ -31,7 +31,7 @@ def _pyplot(own_figure: bool) -> Any:
 
 def plot_gradient_report(
     report: grad_report.GradientReport,
-    path: Union[str, os.PathLike, None] = None,
+    path: Union[str, os.PathLike[str], None] = None,
     *,
     ax: Any = None,
 ) -> Any:

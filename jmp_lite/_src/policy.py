@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from typing import Any, Callable, TypeVar, Union
+from typing import Any, Callable, Iterable, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +107,7 @@ def _compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
   )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
   """Which dtype parameters, computation and outputs use.
 
@@ -148,12 +148,18 @@ class Policy:
   output_dtype: np.dtype
   keep_full: tuple[KeepRule, ...] = ()
 
-  def __post_init__(self):
-    for name in ("param_dtype", "compute_dtype", "output_dtype"):
-      object.__setattr__(self, name, normalize_dtype(getattr(self, name), name))
-    rules = self.keep_full
-    if isinstance(rules, str) or callable(rules):
-      rules = (rules,)
+  # Written out (init=False) so that it takes any DTypeLike and stores np.dtype.
+  def __init__(
+      self,
+      param_dtype: DTypeLike,
+      compute_dtype: DTypeLike,
+      output_dtype: DTypeLike,
+      keep_full: KeepRule | Iterable[KeepRule] = (),
+  ) -> None:
+    for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype),
+                        ("output_dtype", output_dtype)):
+      object.__setattr__(self, name, normalize_dtype(value, name))
+    rules = (keep_full,) if isinstance(keep_full, str) or callable(keep_full) else keep_full
     rules = tuple(rules)
     for rule in rules:
       _compile_rule(rule)  # Validates eagerly.
@@ -165,11 +171,11 @@ class Policy:
     rules = [_compile_rule(r) for r in self.keep_full]
     full = np.dtype(jnp.float32)
 
-    def cast(path, x):
+    def cast(path: tree_utils.KeyPath, x: Any) -> Any:
       if not tree_utils.is_floating_array(x):
         return x
-      path = tree_utils.path_str(path)
-      target = full if any(rule(path, x) for rule in rules) else dtype
+      name = tree_utils.path_str(path)
+      target = full if any(rule(name, x) for rule in rules) else dtype
       return x if x.dtype == target else x.astype(target)
 
     return jax.tree_util.tree_map_with_path(cast, tree)
@@ -188,15 +194,15 @@ class Policy:
 
   def with_param_dtype(self, param_dtype: DTypeLike) -> "Policy":
     """A copy of this policy with another ``param_dtype``."""
-    return dataclasses.replace(self, param_dtype=param_dtype)
+    return type(self)(param_dtype, self.compute_dtype, self.output_dtype, self.keep_full)
 
   def with_compute_dtype(self, compute_dtype: DTypeLike) -> "Policy":
     """A copy of this policy with another ``compute_dtype``."""
-    return dataclasses.replace(self, compute_dtype=compute_dtype)
+    return type(self)(self.param_dtype, compute_dtype, self.output_dtype, self.keep_full)
 
   def with_output_dtype(self, output_dtype: DTypeLike) -> "Policy":
     """A copy of this policy with another ``output_dtype``."""
-    return dataclasses.replace(self, output_dtype=output_dtype)
+    return type(self)(self.param_dtype, self.compute_dtype, output_dtype, self.keep_full)
 
   def with_keep_full(self, *rules: KeepRule) -> "Policy":
     """A copy of this policy that also keeps leaves matching ``rules`` in float32."""

@@ -24,6 +24,8 @@ from jmp_lite._src import tree_utils
 
 UpdateFn = Callable[[optax.Updates, optax.OptState, "optax.Params | None"],
                     tuple[optax.Updates, optax.OptState]]
+# What the guard's lax.cond branches take: (grads, inner state, params).
+_Operand = tuple[optax.Updates, optax.OptState, "optax.Params | None"]
 
 
 class Guarded(NamedTuple):
@@ -66,7 +68,8 @@ def _wide(dtype: np.dtype, param: Any) -> np.dtype:
 def _with_params(grads: optax.Updates, params: optax.Params | None) -> list[tuple[Any, Any]]:
   """``(gradient, param or None)`` for every leaf of ``grads``."""
   leaves = jax.tree.leaves(grads)
-  if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
+  structure: Any = jax.tree.structure(grads)  # Any: mypy cannot compare jaxlib's PyTreeDef.
+  if params is not None and structure == jax.tree.structure(params):
     return list(zip(leaves, jax.tree.leaves(params)))
   return [(g, None) for g in leaves]
 
@@ -86,7 +89,7 @@ def unscale(
   """
   pairs = iter(_with_params(grads, params))
 
-  def one(g):
+  def one(g: Any) -> Any:
     _, p = next(pairs)
     if not tree_utils.is_inexact_array(g):
       return g
@@ -124,7 +127,7 @@ def unscaled_sumsq(
   acc = np.dtype(jnp.float64 if any(_real_dtype(w).itemsize > 4 for _, w in pairs)
                  else jnp.float32)
 
-  def sumsq(x, wide):
+  def sumsq(x: jax.Array, wide: np.dtype) -> jax.Array:
     x = _times_inv(x.astype(wide), inv_scale)
     sq = jnp.square(jnp.abs(x)) if jnp.iscomplexobj(x) else jnp.square(x)
     return jnp.sum(sq).astype(acc)
@@ -159,7 +162,7 @@ def _skip_updates(shapes: Any) -> Any:
   ``+0.0``.
   """
 
-  def zeros(s):
+  def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
     if jnp.issubdtype(s.dtype, jnp.inexact):
       return jnp.full(s.shape, -0.0, s.dtype)
     return jnp.zeros(s.shape, s.dtype)
@@ -205,13 +208,17 @@ def guarded_update(
   sumsq = unscaled_sumsq(grads, inv_scale, params)
   finite = jnp.isfinite(sumsq) & is_finite_value(value)
 
-  def update(operand):
+  def update(operand: _Operand) -> tuple[optax.Updates, optax.OptState]:
     g, s, p = operand
     return update_fn(unscale(g, inv_scale, p), s, p)
 
   if apply:
+    if params is None:
+      raise ValueError("guarded_update: apply=True needs params")
 
-    def apply_branch(operand):
+    def apply_branch(
+        operand: tuple[optax.Updates, optax.OptState, optax.Params],
+    ) -> tuple[optax.Params, optax.OptState]:
       updates, s = update(operand)
       return optax.apply_updates(operand[2], updates), s
 
@@ -220,7 +227,7 @@ def guarded_update(
     )
     return Guarded(None, new_params, state, sumsq, finite)
 
-  def skip_branch(operand):
+  def skip_branch(operand: _Operand) -> tuple[optax.Updates, optax.OptState]:
     return _skip_updates(update_shapes), operand[1]
 
   operand = (grads, state, params)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+import functools
+import operator
+from typing import Any, Callable, Mapping, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from jmp_lite._src import autocast as autocast_lib
 from jmp_lite._src import checks
@@ -64,7 +67,7 @@ def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
     return jnp.asarray(x, jnp.float32)
   # A fresh, strongly typed buffer: donation only ever consumes the state's own.
   if isinstance(x, jax.Array):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
+    if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
       return _own_key(x)
     return jnp.array(x, dtype=x.dtype, copy=True)
   if tree_utils.is_inexact_array(x):  # NumPy floating: a jax array, as before.
@@ -143,7 +146,7 @@ class TrainState:
       *,
       params: optax.Params,
       tx: optax.GradientTransformation,
-      master_dtype: Any = jnp.float32,
+      master_dtype: DTypeLike = jnp.float32,
       rounding: str = "nearest",
       key: jax.Array | None = None,
       model_state: Any = None,
@@ -323,7 +326,8 @@ def _split_aux(
 
 def _stored_like(new: Any, old: Any) -> Any:
   """``loss_fn``'s new model state in the stored dtypes; its structure must not change."""
-  if jax.tree.structure(new) != jax.tree.structure(old):
+  structure: Any = jax.tree.structure(new)  # Any: mypy cannot compare jaxlib's PyTreeDef.
+  if structure != jax.tree.structure(old):
     raise TypeError(
         "loss_fn returned a model state of another structure than state.model_state:\n"
         f"  expected: {jax.tree.structure(old)}\n  received: {jax.tree.structure(new)}"
@@ -342,7 +346,7 @@ def _bind_axis_name(fn: Callable[..., Any], axis_name: str) -> Callable[..., Any
   data-parallel ``pmap``-style model runs unchanged on a sharded ``jit`` step.
   """
 
-  def bound(params, model_state, batch):
+  def bound(params: Any, model_state: Any, batch: Any) -> Any:
     expanded = jax.tree.map(lambda x: jnp.asarray(x)[None], batch)
     out = jax.vmap(lambda b: fn(params, model_state, b), axis_name=axis_name)(expanded)
     return jax.tree.map(lambda x: x[0], out)
@@ -528,7 +532,7 @@ def _nonfinite_leaves(grads: optax.Updates, inv_scale: jax.Array, masters: optax
   leaves = jax.tree.leaves(sums)
   if not leaves:
     return jax.tree.map(lambda _: jnp.zeros((), bool), sums)
-  total = sum(leaves)
+  total = functools.reduce(operator.add, leaves)  # sum(leaves), typed as an array.
   share = jnp.finfo(total.dtype).max / len(leaves)
   sum_overflow = ~jnp.isfinite(total) & jnp.all(jnp.isfinite(jnp.stack(leaves)))
   return jax.tree.map(lambda s: ~jnp.isfinite(s) | (sum_overflow & (s > share)), sums)
@@ -693,7 +697,7 @@ def make_train_step(
       policy.param_dtype, policy.compute_dtype, policy.output_dtype, keep_full=batch_keep_full
   )
 
-  def step(state: TrainState, batch: Any):
+  def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     _check_masters(state)
     transform.check_outermost(state.tx, state.opt_state)
     scale = transform.loss_scale_of(state.opt_state)
@@ -705,7 +709,7 @@ def make_train_step(
     with_state = state.model_state is not None
     model_state = policy.cast_to_compute(state.model_state) if with_state else None
 
-    def call_loss_fn(params, model_state, batch):
+    def call_loss_fn(params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
       out = loss_fn(params, model_state, batch) if with_state else loss_fn(params, batch)
       loss, rest = _split_aux(out, has_aux or with_state, with_state)
       if with_state and has_aux:
@@ -717,7 +721,9 @@ def make_train_step(
     if axis_name is not None:
       call_loss_fn = _bind_axis_name(call_loss_fn, axis_name)
 
-    def scaled_loss(trained_c, model_state):
+    def scaled_loss(
+        trained_c: Any, model_state: Any
+    ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
       # Rebuilt here, so that objects in it (NNX variables, which remember the
       # trace they were made in) belong to this trace and can be mutated.
       model_state = jax.tree.map(lambda x: x, model_state)
@@ -737,8 +743,11 @@ def make_train_step(
     # where an update of -0.0 leaves weight and compensation unchanged.
     lean = state.master_dtype == masters.BFLOAT16
     scaler = transform.scaling_update_of(state.tx)
+    opt_state: optax.OptState
     if scaler is not None:
-      guard, opt_state = scaler.guarded(grads, state.opt_state, trained, apply=not lean, **kwargs)
+      # The scaler's own state: check_outermost found it at the root.
+      scale_state = cast(transform.LossScaleState, state.opt_state)
+      guard, opt_state = scaler.guarded(grads, scale_state, trained, apply=not lean, **kwargs)
     else:
       tx = optax.with_extra_args_support(state.tx)
       guard = skip.guarded_update(
@@ -748,11 +757,12 @@ def make_train_step(
       opt_state = guard.state
     if lean:
       new_trained, compensation = masters.apply_updates(
-          _trained_part(state.params), guard.updates, rounding=state.rounding,
+          _trained_part(state.params), cast(optax.Updates, guard.updates),  # apply=False
+          rounding=state.rounding,
           key=_rounding_key(state), compensation=state.compensation,
       )
     else:
-      new_trained, compensation = guard.params, None
+      new_trained, compensation = cast(optax.Params, guard.params), None  # apply=True
     new_state = state.replace(
         step=optax.safe_increment(state.step),
         params=tree_utils.merge_floating(new_trained, state.params),

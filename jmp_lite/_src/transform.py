@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -216,16 +216,17 @@ class ScalingUpdate:
       **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleState]:
     guard, state = self.guarded(grads, state, params, **extra_args)
-    return guard.updates, state
+    return cast(optax.Updates, guard.updates), state  # Not applied: updates are there.
 
 
 def _loss_scaling(inner: Any, config: ScalingConfig) -> optax.GradientTransformationExtraArgs:
   update = ScalingUpdate(config, _as_extra_args(inner))
-  return optax.GradientTransformationExtraArgs(update.init, update)
+  # optax types every update's state as OptState; ours takes its LossScaleState.
+  return optax.GradientTransformationExtraArgs(update.init, update)  # type: ignore[arg-type]
 
 
 def dynamic_loss_scaling(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | optax.MultiSteps,
     *,
     init_scale: float = 2.0**15,
     growth_factor: float = 2.0,
@@ -309,7 +310,7 @@ def dynamic_loss_scaling(
 
 
 def static_loss_scaling(
-    inner: optax.GradientTransformation, scale: float
+    inner: optax.GradientTransformation | optax.MultiSteps, scale: float
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale and skip-on-non-finite.
 
@@ -353,7 +354,7 @@ def _is_scale_state(x: Any) -> bool:
 
 def scale_state_paths(opt_state: optax.OptState) -> list[str]:
   """``"opt_state..."`` paths of every :class:`LossScaleState` inside ``opt_state``."""
-  def find(prefix, tree):
+  def find(prefix: str, tree: Any) -> Iterator[str]:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_scale_state)[0]
     for path, x in flat:
       if _is_scale_state(x):

@@ -7,6 +7,7 @@ from typing import Any, Callable, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 T = TypeVar("T")
 
@@ -110,10 +111,10 @@ def map_inexact(fn: Callable[[jax.Array], jax.Array], tree: T) -> T:
   return jax.tree.map(lambda x: fn(x) if is_inexact_array(x) else x, tree)
 
 
-def cast_floating(tree: T, dtype: Any) -> T:
+def cast_floating(tree: T, dtype: DTypeLike) -> T:
   """Casts floating leaves to ``dtype``; a leaf already in ``dtype`` is returned as is."""
 
-  def cast(x):
+  def cast(x: jax.Array) -> jax.Array:
     return x if x.dtype == dtype else x.astype(dtype)
 
   return map_floating(cast, tree)
