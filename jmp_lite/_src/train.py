@@ -174,7 +174,7 @@ class TrainState:
         (outermost).
       master_dtype: ``jnp.float32`` or ``jnp.bfloat16``. float16 is refused:
         its narrow exponent makes small weights and Kahan compensations
-        subnormal (see the README's "Lean master weights").
+        subnormal (see the "Lean master weights" guide, docs/masters.md).
       rounding: ``"nearest"`` (the only choice for float32 masters),
         ``"stochastic"`` (unbiased; needs ``key``) or ``"kahan"`` (a bfloat16
         compensation buffer per floating leaf).
