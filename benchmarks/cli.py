@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from benchmarks import report
+
 
 def positive_int(text: str) -> int:
   """An ``argparse`` type: an integer >= 1.
@@ -99,28 +101,27 @@ def parser(prog: str, doc: str, epilog: str) -> argparse.ArgumentParser:
   )
 
 
-def add_common_arguments(p: argparse.ArgumentParser, smoke_help: str) -> None:
-  """Adds ``--variants``, ``--device``, ``--out`` and ``--smoke`` to ``p``.
+def add_common_arguments(
+    p: argparse.ArgumentParser, smoke_help: str, variants: bool = True
+) -> None:
+  """Adds ``--variants`` (if ``variants``), ``--device``, ``--out`` and ``--smoke`` to ``p``.
 
   List the variants in the parser's epilog.
   """
-  p.add_argument(
-      "--variants",
-      default="all",
-      metavar="LIST",
-      help="comma-separated variants to run (listed below), or all (default: %(default)s)",
-  )
+  if variants:
+    p.add_argument(
+        "--variants",
+        default="all",
+        metavar="LIST",
+        help="comma-separated variants to run (listed below), or all (default: %(default)s)",
+    )
   p.add_argument(
       "--device",
       default="cpu",
       choices=("cpu", "gpu"),
       help="where to run; cpu hides any GPU from JAX (default: %(default)s)",
   )
-  p.add_argument(
-      "--out",
-      type=pathlib.Path,
-      help="output folder (default: benchmarks/results; with --smoke a new temp dir)",
-  )
+  p.add_argument("--out", type=pathlib.Path, help=report.OUT_HELP)
   p.add_argument("--smoke", action="store_true", help=smoke_help)
 
 

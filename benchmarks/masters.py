@@ -1,6 +1,7 @@
 """Lean master weights: state memory and step time, bf16 masters against float32 masters.
 
-    python -m benchmarks.masters                 # CPU sizes, all models; writes benchmarks/results/
+    python -m benchmarks.masters                 # CPU sizes, all models; writes out/
+    python -m benchmarks.masters --out benchmarks/results   # regenerate the committed results
     python -m benchmarks.masters --smoke         # a tiny MLP in seconds; writes to a temp folder
     python -m benchmarks.masters --model mlp --variant bf16_stochastic --out /tmp/masters
 
@@ -38,7 +39,6 @@ import pathlib
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -49,8 +49,8 @@ import optax
 
 import jmp_lite as jmp
 from benchmarks import models
+from benchmarks import report
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BARS = {"cpu": 1.10, "gpu": 1.02}
 BARRED = ("bf16_stochastic", "bf16_kahan")
 
@@ -338,25 +338,36 @@ def machine_name(device: Any) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
   p = argparse.ArgumentParser(prog="python -m benchmarks.masters",
-                              description=__doc__.splitlines()[0])
+                              description="\n\n".join(__doc__.split("\n\n")[:2]),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=",".join(models.MODELS),
-                 help=f"comma-separated subset of {','.join(models.MODELS)}")
+                 help="comma-separated subset of the models (default: %(default)s; --smoke: mlp)")
   p.add_argument("--variant", default=",".join(v.name for v in VARIANTS),
-                 help="comma-separated subset of the variants (fp32 is always included)")
+                 help="comma-separated subset of the variants, fp32 always included "
+                      "(default: %(default)s; --smoke: fp32,bf16_stochastic,bf16_kahan)")
   p.add_argument("--preset", choices=("cpu", "gpu"), default=None,
                  help="model sizes (default: the default device's platform)")
-  p.add_argument("--repeats", type=int, default=21)
-  p.add_argument("--inner", type=int, default=3, help="steps per timed repeat")
-  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=21,
+                 help="interleaved timed repeats per variant (default: %(default)s; --smoke: 3)")
+  p.add_argument("--inner", type=int, default=3,
+                 help="steps per timed repeat (default: %(default)s; --smoke: 1)")
+  p.add_argument("--warmup", type=int, default=3,
+                 help="warm-up steps per variant (default: %(default)s; --smoke: 1)")
   p.add_argument("--smoke", action="store_true",
                  help="tiny MLP, few repeats, written to a temp folder unless --out")
-  p.add_argument("--out", type=pathlib.Path, default=None,
-                 help="results folder (default benchmarks/results; a temp folder with --smoke)")
+  p.add_argument("--out", type=pathlib.Path, default=None, help=report.OUT_HELP)
   p.add_argument("--strict", action="store_true", help="exit with status 1 if a bar fails")
   p.add_argument("--no-float16", action="store_true",
                  help="skip the float16-vs-bfloat16 storage comparison (about 10 s)")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  """Parses and checks ``argv``; adds ``models`` and ``variants``."""
+  p = build_parser()
   args = p.parse_args(argv)
   names = [m for m in args.model.split(",") if m]
   bad = [m for m in names if m not in models.MODELS]
@@ -386,6 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   platform_kind = "gpu" if device.platform == "gpu" else "cpu"
   preset = args.preset or platform_kind
   limit = BARS[platform_kind]
+  out = report.output_dir(args.out, args.smoke)
+  print(f"models {', '.join(args.models)} ({preset} sizes); variants "
+        f"{', '.join(v.name for v in args.variants)}; {args.repeats} repeats x {args.inner} steps "
+        f"on {device.device_kind}; results will be written to {out}", flush=True)
   results, bars = [], []
   for name in args.models:
     problem = models.build_problem(name, preset)
@@ -406,8 +421,6 @@ def main(argv: Sequence[str] | None = None) -> int:
       results=results, bars=bars, float16_evidence=evidence)
   text = markdown(payload)
   print("\n" + text)
-  out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="masters-")) if args.smoke else RESULTS)
-  out.mkdir(parents=True, exist_ok=True)
   stem = out / f"masters-{machine_name(device)}-{payload['meta']['date']}"
   stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
   stem.with_suffix(".md").write_text(text)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -53,6 +53,10 @@ GPU_BARS = (
     ("bf16_vs_fp32", 1 / 1.5, ("transformer", "lstm"), "bf16 / fp32 default (step time)"),
     ("bf16_temp_vs_fp32", 0.6, ("cnn", "transformer", "lstm"), "bf16 / fp32 temp memory"),
 )
+
+# Time ratios of one variant to another (not to fp32) that the report prints,
+# with their CPU-time ratios.
+PAIR_RATIOS = ("overhead", "vs_jmp", "vs_flax", "autocast_vs_dynamic")
 
 # The most steps one timed sample may hold.
 MAX_INNER = 200
@@ -200,6 +204,36 @@ def time_interleaved(
         progress.update(1)
 
 
+def time_calls(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+  """Seconds per call of each of ``calls``, interleaved like :func:`time_interleaved`.
+
+  For work that is not a compiled step (tracing, say). Each call's result is
+  passed to ``jax.block_until_ready``; the order of the calls rotates every
+  repeat.
+
+  Args:
+    calls: name -> a function of no arguments.
+    repeats: how many times to call each.
+
+  Returns:
+    name -> the ``repeats`` durations, in seconds.
+
+  Examples:
+    >>> times = time_calls({"a": lambda: 1, "b": lambda: 2}, repeats=3)
+    >>> sorted(times), [len(t) for t in times.values()]
+    (['a', 'b'], [3, 3])
+  """
+  times: dict[str, list[float]] = {k: [] for k in calls}
+  names = list(calls)
+  for r in range(repeats):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(calls[name]())
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
 def finish_record(live: Live) -> dict[str, Any]:
   """Adds the timings and the loss scale after timing to ``live.record``.
 
@@ -282,6 +316,7 @@ def ratios(records: dict[str, dict[str, Any]], times: dict[str, list[float]]) ->
   mem_ratio("temp_overhead", "f16_dynamic", "f16_noscale", "temp")
   time_ratio("vs_jmp", "f16_dynamic", "jmp_dynamic")
   time_ratio("vs_flax", "f16_dynamic", "flax_dynamic")
+  time_ratio("autocast_vs_dynamic", "f16_autocast", "f16_dynamic")
   time_ratio("bf16_vs_fp32_highest", "bf16", "fp32_highest")
   return out
 
@@ -387,7 +422,7 @@ def bench_model(
   model_ratios = ratios(records, {n: r["step_s"]["samples"] for n, r in records.items()})
   cpu_ratios = ratios(records, {n: r["cpu_s"]["samples"] for n, r in records.items()})
   model_ratios.update(
-      {f"{k}_cpu_time": cpu_ratios[k] for k in ("overhead", "vs_jmp", "vs_flax") if k in cpu_ratios}
+      {f"{k}_cpu_time": cpu_ratios[k] for k in PAIR_RATIOS if k in cpu_ratios}
   )
   return dict(
       model=problem.name,

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
       "--device", default="cpu", choices=("cpu", "gpu"), help="where to run (default: %(default)s)"
   )
-  p.add_argument("--json", help="also write the results to this file")
+  p.add_argument("--json", help="also write the results to this file (default: none)")
   return p
 
 

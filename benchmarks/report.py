@@ -16,9 +16,15 @@ import platform
 import tempfile
 from typing import Any, Callable
 
+from benchmarks import measure
 from benchmarks import variants as variants_lib
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+# Where results go by default: out/ at the repository root, which git ignores.
+# The committed results are regenerated with an explicit ``--out benchmarks/results``.
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "out"
+OUT_HELP = ("output folder (default: out/ at the repository root, which git ignores; "
+            "with --smoke a new temp folder; pass --out benchmarks/results to regenerate "
+            "the committed results)")
 SMOKE_STATUS = "SMOKE (not meaningful)"
 
 
@@ -93,7 +99,7 @@ def markdown(result: dict[str, Any]) -> str:
     r = m["ratios"]
     parts = [
         f"{k} {r[k]:.3f} (paired {r[k + '_paired_median']:.3f}, CPU time {r[k + '_cpu_time']:.3f})"
-        for k in ("overhead", "vs_jmp", "vs_flax")
+        for k in measure.PAIR_RATIOS
         if k in r
     ]
     if parts:
@@ -210,9 +216,9 @@ def meta_line(m: dict[str, Any]) -> str:
 
 
 def output_dir(out: pathlib.Path | None, smoke: bool) -> pathlib.Path:
-  """``out`` if given, else a new temp dir for a smoke run, else :data:`RESULTS_DIR`."""
+  """``out`` if given, else a new temp dir for a smoke run, else :data:`DEFAULT_OUT`; created."""
   if out is None:
-    out = pathlib.Path(tempfile.mkdtemp(prefix="jmp_lite_bench_")) if smoke else RESULTS_DIR
+    out = pathlib.Path(tempfile.mkdtemp(prefix="jmp_lite_bench_")) if smoke else DEFAULT_OUT
   out.mkdir(parents=True, exist_ok=True)
   return out
 

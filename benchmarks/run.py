@@ -36,7 +36,10 @@ PROG = "python -m benchmarks.run"
 def build_parser() -> argparse.ArgumentParser:
   """The command-line parser."""
   p = cli.parser(
-      PROG, __doc__, "Variants (fp32_highest only on GPU): " + ", ".join(variants_lib.VARIANTS)
+      PROG,
+      __doc__,
+      "Variants (fp32_highest only on GPU; f16_autocast only when named): "
+      + ", ".join(variants_lib.VARIANTS),
   )
   p.add_argument(
       "--model",
@@ -66,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
   """Parses and checks ``argv``; adds ``names`` (variants) and ``models``."""
   args = p.parse_args(argv)
-  default = [n for n in variants_lib.VARIANTS if args.device == "gpu" or n != "fp32_highest"]
+  default = [n for n in variants_lib.DEFAULT_VARIANTS if args.device == "gpu" or n != "fp32_highest"]
   try:
     args.names = cli.choose(args.variants, variants_lib.VARIANTS, default, "variant")
   except ValueError as e:
@@ -197,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
   cli.select_platform(args)
   if args.probe_peak:
     return probe_peak(args)
+  out = report.output_dir(args.out, args.smoke)
+  print(f"models {', '.join(args.models)}; variants {', '.join(args.names)}; {args.steps} "
+        f"repeats after {args.warmup} warm-up steps; results will be written to {out}", flush=True)
   peaks = measure_peaks(args, argv)  # before this process takes the device
   device = cli.device(args, p)
   result = assemble(args, argv, device, bench_all(args, device, peaks))
-  out = report.output_dir(args.out, args.smoke)
   stem = out / f"{report.machine_name(device)}-{result['meta']['date']}"
   text = report.markdown(result)
   report.write(result, stem, text, report.plot)

@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
   cli.select_platform(args)
   device = cli.device(args, p)
   cases = [(size, n) for size in args.sizes for n in args.leaves]
+  out = report.output_dir(args.out, args.smoke)
+  print(f"leaf sizes {', '.join(args.sizes)} x leaf counts {', '.join(map(str, args.leaves))}; "
+        f"variants {', '.join(args.names)}; {args.repeats} repeats; results will be written to "
+        f"{out}", flush=True)
   total = len(cases) * (len(args.names) * (1 + args.repeats) + 1)
   with cli.progress_bar(total, "sweep") as progress:
     results = [run_case(size, n, args, progress) for size, n in cases]
@@ -322,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
       bars=bars,
       all_bars_pass=None if args.smoke else all(b["passed"] for b in bars),
   )
-  stem = report.output_dir(args.out, args.smoke) / (
+  stem = out / (
       f"sweep-{report.machine_name(device)}-{result['meta']['date']}"
   )
   text = markdown(result)

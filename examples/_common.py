@@ -1,7 +1,8 @@
-"""Small helpers shared by the examples: progress bars, timing and tables."""
+"""Small helpers shared by the examples: the command line, progress bars, timing and tables."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -12,7 +13,56 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import tqdm
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+# Where results go by default: out/ at the repository root, whatever the working
+# directory; git ignores it. The committed results are regenerated with an
+# explicit ``--out examples/results``.
+DEFAULT_OUT = ROOT / "out"
+OUT_HELP = ("results folder (default: out/ at the repository root, which git ignores; "
+            "pass --out examples/results to regenerate the committed results; "
+            "a --smoke run writes nothing unless --out is given)")
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+  """An example's parser; its description is the first two paragraphs of ``doc``.
+
+  Those are the summary line and the example commands, kept as written. Every
+  option's help states its default, as ``(default: %(default)s)``.
+  """
+  return argparse.ArgumentParser(description="\n\n".join(doc.split("\n\n")[:2]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def output_dir(out: Path | None, smoke: bool) -> Path | None:
+  """Where a run writes its files.
+
+  Args:
+    out: the ``--out`` argument, or None if it was not given.
+    smoke: whether this is a ``--smoke`` run.
+
+  Returns:
+    ``out`` if given, else None (write nothing) for a smoke run, else
+    :data:`DEFAULT_OUT`.
+
+  Examples:
+    >>> output_dir(None, smoke=False) == DEFAULT_OUT
+    True
+    >>> output_dir(None, smoke=True) is None
+    True
+    >>> str(output_dir(Path("examples/results"), smoke=True))
+    'examples/results'
+  """
+  if out is not None:
+    return out
+  return None if smoke else DEFAULT_OUT
+
+
+def announce_output(out: Path | None) -> None:
+  """Prints where the results will go, before any work starts."""
+  if out is None:
+    print("smoke run: no files will be written (pass --out DIR to write them)", flush=True)
+  else:
+    print(f"results will be written to {out}", flush=True)
 
 
 def progress(iterable: Iterable[Any], *, desc: str, total: int, enabled: bool = True):

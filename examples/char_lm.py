@@ -1,7 +1,8 @@
 """A byte-level 2-layer LSTM language model in fp32, bf16 and f16.
 
-    python examples/char_lm.py            # about 2 minutes on a 2-core CPU
-    python examples/char_lm.py --smoke    # a few steps, for CI
+    python examples/char_lm.py                          # about 2 minutes on a 2-core CPU; writes out/
+    python examples/char_lm.py --out examples/results   # regenerate the committed results
+    python examples/char_lm.py --smoke                  # a few steps, for CI; writes nothing
 
 After the PTB word-level LSTM experiments of the mixed-precision papers: a
 2-layer LSTM trained with truncated backpropagation through time, the hidden
@@ -16,7 +17,8 @@ changes (fp32: policy ``f32`` and plain ``optax.adam``; bf16: policy
 the train step as part of the batch (cast to the compute dtype by the step) and
 comes back through ``has_aux``. The script prints validation perplexity per
 byte, bits per byte, median step time, skipped steps and the final loss scale,
-and writes ``char_lm.md`` and ``char_lm.json`` to ``--out``.
+and writes ``char_lm.md`` and ``char_lm.json`` to ``--out`` (default ``out/`` at
+the repository root, which git ignores).
 """
 
 from __future__ import annotations
@@ -253,26 +255,41 @@ def table(results: Sequence[Result]) -> str:
   return _common.markdown_table(headers, rows)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=1000, help="training steps (chunks) per mode")
-  p.add_argument("--batch", type=int, default=32, help="parallel streams B")
-  p.add_argument("--seq-len", type=int, default=32, help="truncated BPTT length")
-  p.add_argument("--hidden", type=int, default=128, help="LSTM units N per layer")
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--lr", type=float, default=2e-3)
-  p.add_argument("--corpus-mb", type=float, default=1.0, help="MB of stdlib source to read")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--init-scale", type=float, default=2.0**15, help="f16 initial loss scale")
-  p.add_argument("--growth-interval", type=int, default=200, help="f16 finite steps per growth")
-  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI)")
-  p.add_argument("--out", type=Path, default=None,
-                 help="results folder (default examples/results; a smoke run writes only with --out)")
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = _common.parser(__doc__)
+  p.add_argument("--steps", type=int, default=1000,
+                 help="training steps (chunks) per mode (default: %(default)s; --smoke: 6)")
+  p.add_argument("--batch", type=int, default=32,
+                 help="parallel streams B (default: %(default)s; --smoke: 8)")
+  p.add_argument("--seq-len", type=int, default=32,
+                 help="truncated BPTT length (default: %(default)s; --smoke: 16)")
+  p.add_argument("--hidden", type=int, default=128,
+                 help="LSTM units N per layer (default: %(default)s; --smoke: 32)")
+  p.add_argument("--layers", type=int, default=2,
+                 help="LSTM layers (default: %(default)s; --smoke: 1)")
+  p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: %(default)s)")
+  p.add_argument("--corpus-mb", type=float, default=1.0,
+                 help="MB of stdlib source to read (default: %(default)s; --smoke: 0.05)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the initial weights (default: %(default)s)")
+  p.add_argument("--init-scale", type=float, default=2.0**15,
+                 help="f16 initial loss scale (default: %(default)s)")
+  p.add_argument("--growth-interval", type=int, default=200,
+                 help="f16 finite steps per growth of the loss scale (default: %(default)s)")
+  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps, for CI")
+  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
   p.add_argument("--masters", default="",
                  help="also train the bf16 mode with lean master weights, a comma-separated "
                       f"subset of {', '.join(m for m in MASTERS if m != 'f32')} "
-                      "(results go to char_lm_masters.*)")
-  p.add_argument("--no-progress", action="store_true")
+                      "(results go to char_lm_masters.*) (default: none)")
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """Parses and checks ``argv``; ``out`` becomes the folder to write to, or None."""
+  p = build_parser()
   args = p.parse_args(argv)
   args.masters = [m for m in args.masters.split(",") if m]
   bad = [m for m in args.masters if m not in MASTERS or m == "f32"]
@@ -285,6 +302,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if args.smoke:
     args.steps, args.hidden, args.layers, args.batch, args.seq_len = 6, 32, 1, 8, 16
     args.corpus_mb = 0.05
+  args.out = _common.output_dir(args.out, args.smoke)
   return args
 
 
@@ -294,9 +312,16 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   train_tokens, valid_tokens = split(tokens)
   train_chunks = streams(train_tokens, args.batch, args.seq_len)
   valid_chunks = streams(valid_tokens, args.batch, args.seq_len)
+  runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
+  passes = args.steps / len(train_chunks[0])
+  print(f"stdlib source: {len(train_tokens):,} train / {len(valid_tokens):,} valid bytes; "
+        f"{args.layers}x LSTM({args.hidden}), B={args.batch}, T={args.seq_len}, "
+        f"{args.steps} steps ({passes:.2f} passes over the train text) per run; runs "
+        f"{', '.join(m if w == 'f32' else f'{m}/{w}' for m, w in runs)}; {_common.machine()}",
+        flush=True)
+  _common.announce_output(args.out)
   model = LSTMLM(hidden=args.hidden, layers=args.layers)
   params = init_params(model, train_chunks[0][0], args.seed)  # shared by the three modes
-  runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
   results = [
       run(mode, train_chunks, valid_chunks, hidden=args.hidden, layers=args.layers,
           steps=args.steps, lr=args.lr, seed=args.seed, init_scale=args.init_scale,
@@ -305,11 +330,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
       for mode, masters in runs
   ]
   text = table(results)
-  passes = args.steps / len(train_chunks[0])
-  print(f"\nstdlib source: {len(train_tokens):,} train / {len(valid_tokens):,} valid bytes; "
-        f"{args.layers}x LSTM({args.hidden}), B={args.batch}, T={args.seq_len}, "
-        f"{args.steps} steps ({passes:.2f} passes over the train text) per mode; "
-        f"{_common.machine()}\n")
+  print()
   print(text)
   for r in results:
     if r.masters != "f32":
@@ -317,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
       print(f"  {r.masters} masters: validation bits/byte {100 * gap:+.2f}% vs fp32 "
             f"({'within' if abs(gap) <= 0.01 else 'NOT within'} 1%)")
 
-  out = args.out if args.out is not None else (None if args.smoke else _common.RESULTS_DIR)
+  out = args.out
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results

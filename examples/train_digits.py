@@ -1,7 +1,8 @@
 """Train a small Flax CNN on scikit-learn's digits in fp32, bf16 and f16.
 
-    python examples/train_digits.py            # about 30 s on a 2-core CPU
-    python examples/train_digits.py --smoke    # a few steps, for CI
+    python examples/train_digits.py                          # about 30 s on a 2-core CPU; writes out/
+    python examples/train_digits.py --out examples/results   # regenerate the committed results
+    python examples/train_digits.py --smoke                  # a few steps, for CI; writes nothing
 
 The three runs share the data order and the initial weights; only the precision
 changes:
@@ -17,7 +18,8 @@ Every run keeps float32 master weights in a ``jmp.TrainState``; the half copy
 exists only inside the jitted ``jmp.make_train_step``. The script prints test
 accuracy, median step time, skipped steps and the final loss scale side by side
 and writes ``digits.png`` (loss curves and the f16 loss-scale trajectory),
-``digits.md`` and ``digits.json`` to ``--out`` (default ``examples/results``).
+``digits.md`` and ``digits.json`` to ``--out`` (default ``out/`` at the
+repository root, which git ignores).
 """
 
 from __future__ import annotations
@@ -249,22 +251,33 @@ def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
   plt.close(fig)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--epochs", type=int, default=30)
-  p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--lr", type=float, default=2e-3)
-  p.add_argument("--init-scale", type=float, default=2.0**15, help="f16 initial loss scale")
-  p.add_argument("--growth-interval", type=int, default=200, help="f16 finite steps per growth")
-  p.add_argument("--smoke", action="store_true", help="a few steps per mode (CI)")
-  p.add_argument("--out", type=Path, default=None,
-                 help="results folder (default examples/results; a smoke run writes only with --out)")
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = _common.parser(__doc__)
+  p.add_argument("--epochs", type=int, default=30, help="passes over the training set per mode "
+                 "(default: %(default)s; --smoke: 8 steps)")
+  p.add_argument("--batch", type=int, default=32, help="images per step (default: %(default)s)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the data split, the initial weights and the batch order "
+                      "(default: %(default)s)")
+  p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: %(default)s)")
+  p.add_argument("--init-scale", type=float, default=2.0**15,
+                 help="f16 initial loss scale (default: %(default)s)")
+  p.add_argument("--growth-interval", type=int, default=200,
+                 help="f16 finite steps per growth of the loss scale (default: %(default)s)")
+  p.add_argument("--smoke", action="store_true", help="8 steps per mode, for CI")
+  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
   p.add_argument("--masters", default="",
                  help="also train the bf16 mode with lean master weights, a comma-separated "
                       f"subset of {', '.join(m for m in MASTERS if m != 'f32')} "
-                      "(results go to digits_masters.*)")
-  p.add_argument("--no-progress", action="store_true")
+                      "(results go to digits_masters.*) (default: none)")
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """Parses and checks ``argv``; ``out`` becomes the folder to write to, or None."""
+  p = build_parser()
   args = p.parse_args(argv)
   if args.epochs < 1 or args.batch < 1:
     p.error(f"--epochs and --batch must be >= 1, got {args.epochs} and {args.batch}")
@@ -273,16 +286,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if bad:
     p.error(f"--masters must be a comma-separated subset of "
             f"{tuple(m for m in MASTERS if m != 'f32')}, got {bad[0]!r}")
+  args.out = _common.output_dir(args.out, args.smoke)
   return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
   args = parse_args(argv)
   data = load_data(args.seed)
-  params = init_params(args.seed)
   max_steps = 8 if args.smoke else None
   epochs = 1 if args.smoke else args.epochs
+  per_epoch = len(data.y_train) // args.batch
+  steps = min(per_epoch * epochs, max_steps or per_epoch * epochs)  # run() drops the remainder
   runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
+  print(f"load_digits: {len(data.y_train)} train / {len(data.y_test)} test images; "
+        f"{steps} steps of batch {args.batch} per run; runs "
+        f"{', '.join(m if w == 'f32' else f'{m}/{w}' for m, w in runs)}; {_common.machine()}",
+        flush=True)
+  _common.announce_output(args.out)
+  params = init_params(args.seed)
   results = [
       run(mode, epochs=epochs, batch=args.batch, seed=args.seed, lr=args.lr,
           init_scale=args.init_scale, growth_interval=args.growth_interval,
@@ -290,10 +311,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
           masters=masters)
       for mode, masters in runs
   ]
-  steps = len(results[0].losses)
   text = table(results)
-  print(f"\nload_digits: {len(data.y_train)} train / {len(data.y_test)} test images, "
-        f"{steps} steps of batch {args.batch} per mode, {_common.machine()}\n")
+  print()
   print(text)
   base = results[0].accuracy
   gap = max(abs(r.accuracy - base) for r in results[1:])
@@ -305,17 +324,17 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
       print(f"  {r.masters} masters: {diff:+.2f} points vs fp32 "
             f"({'within' if abs(diff) <= 1.0 else 'NOT within'} 1 point)")
 
-  out = args.out if args.out is not None else (None if args.smoke else _common.RESULTS_DIR)
+  out = args.out
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results
   name = "digits_masters" if args.masters else "digits"
   png = out / f"{name}.png"
   out.mkdir(parents=True, exist_ok=True)
-  plot(results, png, per_epoch=len(data.y_train) // args.batch)
+  plot(results, png, per_epoch=per_epoch)
   payload = {
       "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-      "steps_per_mode": steps,
+      "steps_per_mode": len(results[0].losses),
       "results": [
           {k: v for k, v in dataclasses.asdict(r).items() if not isinstance(v, np.ndarray)}
           for r in results

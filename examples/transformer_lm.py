@@ -1,7 +1,8 @@
 """A byte-level Transformer language model, trained four ways: fp32, params-only f16, autocast.
 
-    python examples/transformer_lm.py            # a few minutes on a 2-core CPU
-    python examples/transformer_lm.py --smoke    # seconds, for CI
+    python examples/transformer_lm.py                          # a few minutes on a 2-core CPU; writes out/
+    python examples/transformer_lm.py --out examples/results   # regenerate the committed results
+    python examples/transformer_lm.py --smoke                  # seconds, for CI; writes nothing
 
 The model is written the natural way, with no casts anywhere: a Flax Linen
 decoder (token and position embeddings, pre-LayerNorm blocks of causal
@@ -28,8 +29,8 @@ The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
 validation bits per byte, step times, skipped steps and the final loss scale,
 and writes ``transformer_lm.md``, ``transformer_lm.json`` and
-``transformer_lm.png`` (training loss curves) to ``--out`` (default
-``out/transformer_lm``, which git ignores; pass ``--out examples/results`` to
+``transformer_lm.png`` (training loss curves) to ``--out`` (default ``out/`` at
+the repository root, which git ignores; pass ``--out examples/results`` to
 regenerate the committed results).
 """
 
@@ -54,7 +55,6 @@ from char_lm import load_corpus, split
 
 VOCAB = 256  # bytes
 NAME = "transformer_lm"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "out" / NAME
 # mode: (policy, autocast)
 MODES = {
     "fp32": ("f32", False),
@@ -258,31 +258,47 @@ def positive_int(text: str) -> int:
   return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=positive_int, default=1000, help="training steps per mode")
-  p.add_argument("--batch", type=positive_int, default=32, help="windows per step")
-  p.add_argument("--seq-len", type=positive_int, default=64, help="bytes per window")
-  p.add_argument("--d-model", type=positive_int, default=64)
-  p.add_argument("--layers", type=positive_int, default=2)
-  p.add_argument("--heads", type=positive_int, default=4)
-  p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-  p.add_argument("--corpus-mb", type=float, default=1.0, help="MB of stdlib source to read")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=tuple(MODES))
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = _common.parser(__doc__)
+  p.add_argument("--steps", type=positive_int, default=1000,
+                 help="training steps per mode (default: %(default)s; --smoke: 8)")
+  p.add_argument("--batch", type=positive_int, default=32,
+                 help="windows per step (default: %(default)s; --smoke: 4)")
+  p.add_argument("--seq-len", type=positive_int, default=64,
+                 help="bytes per window (default: %(default)s; --smoke: 16)")
+  p.add_argument("--d-model", type=positive_int, default=64,
+                 help="model width (default: %(default)s; --smoke: 16)")
+  p.add_argument("--layers", type=positive_int, default=2,
+                 help="Transformer blocks (default: %(default)s; --smoke: 1)")
+  p.add_argument("--heads", type=positive_int, default=4,
+                 help="attention heads; must divide --d-model (default: %(default)s; --smoke: 2)")
+  p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)")
+  p.add_argument("--corpus-mb", type=float, default=1.0,
+                 help="MB of stdlib source to read (default: %(default)s; --smoke: 0.05)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the initial weights and the windows (default: %(default)s)")
+  p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
+                 help="the runs, in order (default: %(default)s)")
   p.add_argument("--loss", choices=("optax", "naive"), default="optax",
                  help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
-                      "(results named transformer_lm_naive.*)")
-  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI)")
-  p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                 help=f"results folder (default {DEFAULT_OUT.relative_to(DEFAULT_OUT.parents[1])})")
-  p.add_argument("--no-progress", action="store_true")
+                      "(results named transformer_lm_naive.*) (default: %(default)s)")
+  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps, for CI")
+  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """Parses and checks ``argv``; ``out`` becomes the folder to write to, or None."""
+  p = build_parser()
   args = p.parse_args(argv)
   if args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
   if args.smoke:
     args.steps, args.batch, args.seq_len, args.d_model, args.layers = 8, 4, 16, 16, 1
     args.heads, args.corpus_mb = 2, 0.05
+  args.out = _common.output_dir(args.out, args.smoke)
   return args
 
 
@@ -292,13 +308,15 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   train_tokens, valid_tokens = split(load_corpus(int(args.corpus_mb * 2**20)))
   model = TransformerLM(d_model=args.d_model, layers=args.layers, heads=args.heads,
                         max_len=args.seq_len)
-  params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))
-  n_params = sum(x.size for x in jax.tree.leaves(params))
+  init_args = (jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))
+  n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, *init_args)))
   print(f"stdlib source: {len(train_tokens):,} train / {len(valid_tokens):,} valid bytes; "
         f"Transformer {args.layers}x d_model {args.d_model}, {args.heads} heads, "
         f"{n_params:,} params; batch {args.batch} x {args.seq_len} bytes, {args.steps} steps "
         f"per mode; {args.loss} cross-entropy; modes {', '.join(args.modes)}; "
         f"{_common.machine()}", flush=True)
+  _common.announce_output(args.out)
+  params = jax.jit(model.init)(*init_args)
   results = []
   for mode in args.modes:
     print(f"training {mode} (policy {MODES[mode][0]}, autocast {MODES[mode][1]}) ...", flush=True)
@@ -308,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   text = table(results)
   print()
   print(text)
+  if args.out is None:
+    print("smoke run: no files written (pass --out DIR to write them)")
+    return results
   png = args.out / f"{name}.png"
   args.out.mkdir(parents=True, exist_ok=True)
   plot(results, png, args.loss)

@@ -1,7 +1,8 @@
 """The underflow story: f16 gradients flush to zero without loss scaling.
 
-    python examples/underflow.py            # about a minute on a laptop CPU
-    python examples/underflow.py --smoke    # a few steps, for CI
+    python examples/underflow.py                          # about a minute on a laptop CPU; writes out/
+    python examples/underflow.py --out examples/results   # regenerate the committed results
+    python examples/underflow.py --smoke                  # a few steps, for CI; writes nothing
 
 A three-layer tanh MLP (16 -> 64 -> 64 -> 32, last layer zero-initialised)
 regresses a small-magnitude target: a fixed random tanh network scaled so that
@@ -25,7 +26,8 @@ final loss scale and the skipped steps. It writes
 gradients against float16's range, at scale 1 and at the suggested scale, side
 by side; ``underflow.md``/``underflow.json`` (the table); and
 ``precision_lint.txt``: ``jmp.precision_lint`` over this model and the digits
-CNN of ``train_digits.py``. Files go to ``--out`` (default ``examples/results``).
+CNN of ``train_digits.py``. Files go to ``--out`` (default ``out/`` at the
+repository root, which git ignores).
 """
 
 from __future__ import annotations
@@ -232,25 +234,40 @@ def lint_text() -> str:
   return "\n".join(out)
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = _common.parser(__doc__)
+  p.add_argument("--steps", type=int, default=600,
+                 help="train steps per run (default: %(default)s; --smoke: 8)")
+  p.add_argument("--smoke", action="store_true", help="a few steps per run, for CI")
+  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
+  return p
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=600, help="train steps per run")
-  p.add_argument("--smoke", action="store_true", help="a few steps per run (CI)")
-  p.add_argument("--out", type=Path, default=None,
-                 help="results folder (default examples/results; a smoke run writes only with --out)")
-  return p.parse_args(argv)
+  """Parses and checks ``argv``; ``out`` becomes the folder to write to, or None."""
+  p = build_parser()
+  args = p.parse_args(argv)
+  if args.steps < 1:
+    p.error(f"--steps must be >= 1, got {args.steps}")
+  args.out = _common.output_dir(args.out, args.smoke)
+  return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
   args = parse_args(argv)
   steps, chunk = (8, 4) if args.smoke else (args.steps, 50)
   data = make_data()
+  print(f"{len(data['x'])} synthetic examples ({FEATURES} -> {OUTPUTS}, targets of std "
+        f"{data['y'].std():.1e}); a {FEATURES}-{HIDDEN}-{HIDDEN}-{OUTPUTS} tanh MLP, {steps} steps of "
+        f"batch 512 per run; runs {', '.join(MODES)}; {_common.machine()}", flush=True)
+  _common.announce_output(args.out)
   results = [train(m, data, steps=steps, chunk=chunk, progress=not args.smoke) for m in MODES]
   text = table(results)
   print(text)
   lint = lint_text()
   print("\nprecision_lint, mixed_float16:\n" + lint)
-  out = args.out if args.out is not None else (None if args.smoke else _common.RESULTS_DIR)
+  out = args.out
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results

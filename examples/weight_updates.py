@@ -2,7 +2,7 @@
 
     python examples/weight_updates.py                          # about 30 s on a 2-core CPU; writes out/
     python examples/weight_updates.py --out examples/results   # regenerate the committed results
-    python examples/weight_updates.py --smoke                  # a few steps, for CI
+    python examples/weight_updates.py --smoke                  # a few steps, for CI; writes nothing
 
 The seed of mixed precision: "Update may be too small compared to the weight
 (if > 2048 times), then float16 addition causes update to become 0. Solution:
@@ -22,7 +22,7 @@ data and initial weights; only the master weights change:
 * ``bf16-kahan``: bfloat16 masters plus a bfloat16 compensation (4 bytes).
 
 The script prints a table and writes ``weight_updates.{md,json,png}`` to
-``--out`` (default ``out/``, which git ignores).
+``--out`` (default ``out/`` at the repository root, which git ignores).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ MODES = {
     "bf16-stochastic": dict(master_dtype=jnp.bfloat16, rounding="stochastic"),
     "bf16-kahan": dict(master_dtype=jnp.bfloat16, rounding="kahan"),
 }
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "out"
 SIZES = (32, 64, 8)
 SIZE_KEYS = ("w1", "b1", "w2", "b2")
 
@@ -183,18 +182,28 @@ def plot(results: Sequence[Result], path: Path, watch, steps: int) -> None:
   plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = _common.parser(__doc__)
+  p.add_argument("--steps", type=int, default=2000,
+                 help="Adam steps per run (default: %(default)s; --smoke: 30)")
+  p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default: %(default)s)")
+  p.add_argument("--noise", type=float, default=0.03,
+                 help="student = teacher + noise * N(0, 1) (default: %(default)s)")
+  p.add_argument("--batch", type=int, default=256, help="examples per step (default: %(default)s)")
+  p.add_argument("--policy", default="mixed_bfloat16",
+                 help="compute policy, a jmp.get_policy name (default: %(default)s)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the teacher, the noise and the data (default: %(default)s)")
+  p.add_argument("--smoke", action="store_true", help="30 steps per run, for CI")
+  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  return p
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=2000)
-  p.add_argument("--lr", type=float, default=1e-4)
-  p.add_argument("--noise", type=float, default=0.03, help="student = teacher + noise * N(0, 1)")
-  p.add_argument("--batch", type=int, default=256)
-  p.add_argument("--policy", default="mixed_bfloat16", help="compute policy (jmp.get_policy)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--smoke", action="store_true", help="a few steps (CI)")
-  p.add_argument("--out", type=Path, default=None,
-                 help=f"results folder (default {DEFAULT_OUT}; a smoke run writes only with --out)")
-  p.add_argument("--no-progress", action="store_true")
+  """Parses and checks ``argv``; ``out`` becomes the folder to write to, or None."""
+  p = build_parser()
   args = p.parse_args(argv)
   for name in ("steps", "batch"):
     if getattr(args, name) < 1:
@@ -203,6 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error(f"--lr must be > 0, got {args.lr}")
   if args.smoke:
     args.steps = 30
+  args.out = _common.output_dir(args.out, args.smoke)
   return args
 
 
@@ -215,8 +225,10 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   gap = np.where(np.abs(w1) > 1.0, np.abs(t1 - w1), 0.0)
   watch = ("w1", tuple(int(i) for i in np.unravel_index(np.argmax(gap), gap.shape)))
   n = sum(v.size for v in student.values())
-  print(f"{n} weights, {args.steps} Adam steps at lr {args.lr:g} per run, policy {args.policy}; "
-        f"{_common.machine()}")
+  print(f"teacher-student MLP, {n} weights, 64 batches of {args.batch}; {args.steps} Adam steps "
+        f"at lr {args.lr:g} per run, policy {args.policy}; runs {', '.join(MODES)}; "
+        f"{_common.machine()}", flush=True)
+  _common.announce_output(args.out)
   results, finals = [], {}
   for mode in MODES:
     print(f"training with {mode} masters ...", flush=True)
@@ -243,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   note = (f"The fp32 run's own weights rounded to bf16 are {floor:.1f}% away from it: "
           "the floor for any bf16 storage.")
   print(f"\n{note}")
-  out = args.out if args.out is not None else (None if args.smoke else DEFAULT_OUT)
+  out = args.out
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results

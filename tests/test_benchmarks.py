@@ -1,11 +1,11 @@
-"""The benchmark suite's CI check: the ``--smoke`` runs of ``benchmarks.run``
-and ``benchmarks.sweep`` end to end.
+"""The benchmark suite's CI check: the ``--smoke`` runs of ``benchmarks.run``,
+``benchmarks.sweep`` and ``benchmarks.autocast`` end to end.
 
 The bars themselves are checked by the benchmarks, not here: smoke-sized
 timings are noise, so a smoke run prints its bars as not meaningful (never
 FAIL). These tests check that the commands run, print their tables and bar
-lines, write consistent JSON, Markdown and PNG files, and document every
-option in ``--help``.
+lines, and write consistent JSON, Markdown and PNG files
+(``tests/test_cli_help.py`` checks their ``--help``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from benchmarks import autocast
+from benchmarks import measure
+from benchmarks import models
 from benchmarks import overhead_study
 from benchmarks import report
 from benchmarks import run
 from benchmarks import sweep
+from benchmarks import variants as variants_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOKE_VARIANTS = ("fp32", "bf16", "f16_dynamic", "f16_noscale", "jmp_dynamic", "flax_dynamic")
@@ -72,6 +77,7 @@ def _assert_smoke_output(proc, files, bar_count):
   return md
 
 
+@pytest.mark.slow
 def test_json_is_complete_and_consistent(smoke):
   _, _, files = smoke
   result = _assert_json_md_png(files, "cpu-")
@@ -120,6 +126,7 @@ def test_json_is_complete_and_consistent(smoke):
   assert result["all_bars_pass"] is None
 
 
+@pytest.mark.slow
 def test_prints_the_table_and_the_bars(smoke):
   proc, out, files = smoke
   md = _assert_smoke_output(proc, files, bar_count=4)
@@ -169,40 +176,7 @@ def test_smoke_defaults():
   assert args.leaves == [50, 1000] and args.sizes == ["small", "wide"]
 
 
-def _options(help_text):
-  """``{option: its help text}`` from an argparse ``--help`` output."""
-  options, current = {}, None
-  for line in help_text.split("options:")[1].splitlines():
-    if line.startswith("  -"):
-      words = line.split()
-      current = next(w.rstrip(",") for w in words if w.startswith("--"))
-      # The help starts on the option's line after two spaces, or on the next line.
-      head = line[2:].split("  ", 1)
-      options[current] = head[1].strip() if len(head) > 1 else ""
-    elif line.startswith("    ") and current:
-      options[current] = (options[current] + " " + line.strip()).strip()
-    else:
-      current = None
-  return options
-
-
-@pytest.mark.parametrize("module", [run, sweep, overhead_study])
-def test_help_documents_every_option_and_its_default(module):
-  text = module.build_parser().format_help()
-  options = _options(text)
-  usage = text.split("options:")[0]
-  used = {w.strip("[]") for w in usage.split() if w.startswith("[--")}
-  assert used and used <= set(options), (used, options)
-  for option, text in options.items():
-    assert text, f"{option} has no help text"
-  repeats = "--repeats" if module is sweep else "--steps"
-  for option in (repeats, "--sample-seconds", "--device", "--warmup") + (
-      ("--variants",) if module is not overhead_study else ()
-  ):
-    assert "(default: " in options[option], (option, options[option])
-  assert "--policy" not in text
-
-
+@pytest.mark.slow
 def test_sweep_json_is_complete_and_consistent(sweep_smoke):
   _, _, files = sweep_smoke
   result = _assert_json_md_png(files, "sweep-cpu-")
@@ -235,6 +209,7 @@ def test_sweep_json_is_complete_and_consistent(sweep_smoke):
   assert result["bars"] == [] and result["all_bars_pass"] is None
 
 
+@pytest.mark.slow
 def test_sweep_prints_its_tables(sweep_smoke):
   proc, out, files = sweep_smoke
   md = _assert_smoke_output(proc, files, bar_count=0)
@@ -274,3 +249,81 @@ def test_sweep_checks_issue_13_targets_where_their_cases_ran(meaningful):
   assert [b["limit"] for b in bars] == [1.05, 1.5, 1.5, 5.0, 5.0]
   statuses = {report.bar_status(b) for b in bars}
   assert statuses == ({"PASS", "FAIL"} if meaningful else {report.SMOKE_STATUS})
+
+
+def test_f16_autocast_runs_only_when_named():
+  assert "f16_autocast" not in _parse(run, ["--smoke"]).names
+  assert _parse(run, ["--smoke", "--variants", "f16_autocast,f16_dynamic"]).names == [
+      "f16_dynamic", "f16_autocast"]
+
+
+class _NoProgress:
+  def set_postfix_str(self, text):
+    pass
+
+  def update(self, n):
+    pass
+
+
+def test_f16_autocast_variant_keeps_softmax_in_float32_and_is_compared_to_f16_dynamic():
+  problem = models.build_problem("transformer", "smoke")
+  sig = {}
+  for name in ("f16_dynamic", "f16_autocast"):
+    variant = variants_lib.make_variant(name, problem)
+    sig[name] = autocast.dtype_signature(variant.fn, variant.init(), problem.batch)
+  exp32 = ("exp", ("float32",))
+  # Both take the loss's softmax in float32; only autocast takes attention's too.
+  assert sig["f16_autocast"][exp32] > sig["f16_dynamic"][exp32] >= 1
+  result = measure.bench_model(
+      models.build_problem("mlp", "smoke"), ["f16_dynamic", "f16_autocast"], repeats=2, warmup=1, target_s=1e-9,
+      on_gpu=False, peak_tflops=None, peaks={}, progress=_NoProgress(), meaningful=False)
+  samples = {n: v["step_s"]["samples"] for n, v in result["variants"].items()}
+  assert result["ratios"]["autocast_vs_dynamic"] == (
+      statistics.median(samples["f16_autocast"]) / statistics.median(samples["f16_dynamic"]))
+  assert result["variants"]["f16_autocast"]["skipped_during_timing"] is False
+  assert result["variants"]["f16_autocast"]["label"] == variants_lib.LABELS["f16_autocast"]
+
+
+def test_autocast_benchmark_compares_programs_with_the_same_dtypes():
+  import jax
+  import jax.numpy as jnp
+
+  import jmp_lite as jmp
+
+  policy = jmp.get_policy("mixed_float16")
+  params = policy.cast_to_compute(autocast.init(jax.random.key(0), 16, 1, 8))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 9))
+  batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+  natural = lambda p, b: autocast.loss(p, b, heads=2, c=autocast.Casts(hand=False))  # noqa: E731
+  hand = lambda p, b: autocast.loss(p, b, heads=2, c=autocast.Casts(hand=True))  # noqa: E731
+  autocast_sig = autocast.dtype_signature(jmp.autocast(natural, jnp.float16), params, batch)
+  assert autocast_sig == autocast.dtype_signature(hand, params, batch)
+  assert autocast_sig != autocast.dtype_signature(natural, params, batch)  # autocast changed it
+  assert ("exp", ("float32",)) in autocast_sig and ("dot_general", ("float16",)) in autocast_sig
+
+
+@pytest.mark.slow
+def test_autocast_benchmark_smoke(tmp_path):
+  proc, out, files = _smoke_run("benchmarks.autocast", tmp_path)
+  assert [f.suffix for f in files] == [".json", ".md"]
+  assert files[0].stem.startswith("autocast-cpu-")
+  result = json.loads(files[0].read_text())
+  assert result["meta"]["command"] == f"python -m benchmarks.autocast --smoke --out {out}"
+  step = result["step"]
+  assert step["same_dtypes"] is True
+  samples = {k: v["step_s"]["samples"] for k, v in step["variants"].items()}
+  assert list(samples) == ["autocast", "hand"] and all(len(s) == 3 for s in samples.values())
+  assert step["ratio"] == measure.compare(samples["autocast"], samples["hand"])
+  assert all(v["skipped_during_timing"] is False for v in step["variants"].values())
+  rows = [(r["model"], r["trace"]) for r in result["trace"]]
+  assert rows == [("functional", "forward"), ("functional", "grad"), ("flax", "forward"),
+                  ("flax", "grad")]
+  for r in result["trace"]:
+    assert r["ratio"]["median"] == r["autocast_s"] / r["plain_s"]
+  bars = [(b["bar"], b["model"], b["limit"], b["meaningful"]) for b in result["bars"]]
+  assert bars == [("step", "functional", 1.05, False), ("trace_grad", "functional", 2.0, False),
+                  ("trace_grad", "flax", 2.0, False)]
+  assert result["all_bars_pass"] is None
+  _assert_smoke_output(proc, files, bar_count=3)
+  assert proc.stdout.startswith("functional Transformer 1x d_model 16")
+  assert f"results will be written to {out}" in proc.stdout.splitlines()[0]
