@@ -19,23 +19,13 @@ from hypothesis import strategies as st
 
 import jmp_lite as jmp
 from jmp_lite._src import transform
+from conftest import assert_bitwise_equal
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 F32_MAX = float(np.finfo(np.float32).max)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def assert_bitwise_equal(a, b):
-  """Same tree structure and, leaf by leaf, the same dtype, shape and bytes."""
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  assert tree_a == tree_b
-  for x, y in zip(leaves_a, leaves_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert (x.dtype, x.shape) == (y.dtype, y.shape)
-    assert x.tobytes() == y.tobytes(), (x, y)
 
 
 def assert_trees_close(a, b, rtol=1e-6):
