@@ -320,3 +320,13 @@ def test_nonfinite_paths_names_the_leaves_of_an_overflowing_norm():
   state, metrics = step(state, {"x": jnp.full(1, 1.5e19)})
   assert not bool(metrics["grads_finite"])
   assert jmp.nonfinite_paths(metrics["nonfinite"]) == ["a", "b"]
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+@pytest.mark.parametrize("tree", [{}, None, [], {"n": jnp.arange(3)}, (1, 2)],
+                         ids=["dict", "None", "list", "ints-only", "python-ints"])
+def test_gradient_report_on_an_empty_tree(tree):
+  with pytest.raises(ValueError, match=r"gradient_report needs a pytree with floating array leaves, got"):
+    jmp.gradient_report(tree)

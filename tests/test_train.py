@@ -605,3 +605,108 @@ def test_complex_params_are_trained_like_plain_optax(policy):
   state, metrics = step(state, bad)
   assert not bool(metrics["grads_finite"])
   assert_bitwise_equal(state.params, before)
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+def test_train_state_rejects_non_transformation():
+  with pytest.raises(TypeError, match=r"tx must be an optax transformation, got"):
+    jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.adam)
+
+
+def test_make_train_step_rejects_bad_arguments():
+  with pytest.raises(TypeError, match=r"policy must be a jmp_lite.Policy, got 'mixed_float16'"):
+    jmp.make_train_step(lambda p, b: 0.0, "mixed_float16")
+  with pytest.raises(TypeError, match=r"loss_fn must be callable, got 3"):
+    jmp.make_train_step(3, jmp.get_policy("f32"))
+
+
+def _state():
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.full((2,), 0.1)}
+  return jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(optax.sgd(0.1)))
+
+
+def _batch():
+  x = jnp.linspace(-2.0, 2.0, 12).reshape(4, 3)
+  return {"x": x, "y": jnp.cos(x[:, :2])}
+
+
+def _pred(params, batch):
+  return batch["x"] @ params["w"] + params["b"]
+
+
+BAD_LOSSES = {
+    "vector": (lambda p, b: (_pred(p, b) - b["y"]) ** 2, False),
+    "matrix-f16": (lambda p, b: ((_pred(p, b) - b["y"]) ** 2).astype(jnp.float16), False),
+    "integer": (lambda p, b: jnp.sum(_pred(p, b)).astype(jnp.int32), False),
+    "bool": (lambda p, b: jnp.sum(_pred(p, b)) > 0, False),
+    "complex": (lambda p, b: jnp.sum(_pred(p, b)).astype(jnp.complex64), False),
+    "tuple-without-has_aux": (lambda p, b: (jnp.sum(_pred(p, b)), {}), False),
+    "vector-with-aux": (lambda p, b: (_pred(p, b), {"n": 1}), True),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LOSSES))
+def test_non_scalar_or_non_float_loss(name):
+  loss_fn, has_aux = BAD_LOSSES[name]
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"), has_aux=has_aux, donate=False)
+  with pytest.raises((TypeError, ValueError), match=r"scalar"):
+    step(_state(), _batch())
+
+
+def test_has_aux_without_a_pair():
+  step = jmp.make_train_step(
+      lambda p, b: jnp.mean(_pred(p, b)), jmp.get_policy("f32"), has_aux=True, donate=False
+  )
+  with pytest.raises(TypeError, match=r"has_aux=True .*\(loss, aux\) pair"):
+    step(_state(), _batch())
+
+
+def _loss(params, batch):
+  return jnp.mean((_pred(params, batch).astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def test_batch_structure_change_between_calls():
+  step = jmp.make_train_step(_loss, jmp.get_policy("mixed_float16"), donate=False)
+  state, _ = step(_state(), _batch())
+  bad = dict(_batch(), extra=jnp.ones(3))
+  with pytest.raises(ValueError, match=r"(?s)batch tree changed structure.*expected.*received"):
+    step(state, bad)
+  with pytest.raises(ValueError, match=r"batch tree changed structure"):
+    step(state, [_batch()["x"], _batch()["y"]])
+  # The step still works with the original structure.
+  state, metrics = step(state, _batch())
+  assert bool(metrics["grads_finite"])
+
+
+def test_params_structure_change_between_calls():
+  step = jmp.make_train_step(_loss, jmp.get_policy("mixed_float16"), donate=False)
+  state, _ = step(_state(), _batch())
+  extra = dict(state.params, extra=jnp.ones(2))
+  with pytest.raises(ValueError, match=r"(?s)params tree changed structure.*expected.*received"):
+    step(state.replace(params=extra), _batch())
+
+
+def test_train_step_rejects_a_non_train_state():
+  step = jmp.make_train_step(_loss, jmp.get_policy("f32"), donate=False)
+  with pytest.raises(TypeError, match=r"state must be a jmp_lite.TrainState.*got dict"):
+    step({"params": _state().params}, _batch())
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: jmp.make_train_step(lambda p, b: 0.0, jmp.get_policy("f32"), donate="no"),
+     r"donate must be True or False, got 'no'"),
+    (lambda: jmp.make_train_step(lambda p, b: 0.0, jmp.get_policy("f32"), has_aux=1),
+     r"has_aux must be True or False, got 1"),
+])
+def test_make_train_step_rejects_non_bool_flags(make, match):
+  with pytest.raises(TypeError, match=match):
+    make()
+
+
+def test_a_pair_without_has_aux_suggests_has_aux():
+  step = jmp.make_train_step(lambda p, b: (jnp.sum(p["w"]), 1), jmp.get_policy("f32"))
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"it returned a pair.*has_aux=True"):
+    step(state, {})

@@ -1,6 +1,7 @@
 """Tests for jmp_lite's optax loss-scaling transformations (issue 3)."""
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -814,3 +815,60 @@ def test_sharded_step_skips_on_every_device_together():
   )
   assert result.returncode == 0, result.stdout + result.stderr
   assert "SHARDED-OK" in result.stdout
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+BAD_SCALER_CONFIGS = [
+    (dict(init_scale=0.0), ValueError, r"init_scale must be finite and > 0.*got 0\.0"),
+    (dict(init_scale=-4.0), ValueError, r"init_scale must be finite and > 0.*got -4\.0"),
+    (dict(init_scale=math.inf), ValueError, r"init_scale must be finite and > 0.*got inf"),
+    (dict(init_scale=math.nan), ValueError, r"init_scale must be finite and > 0.*got nan"),
+    (dict(init_scale="big"), TypeError, r"init_scale must be a real number, got 'big'"),
+    (dict(growth_factor=1.0), ValueError, r"growth_factor must be finite and > 1, got 1\.0"),
+    (dict(growth_factor=0.5), ValueError, r"growth_factor must be finite and > 1, got 0\.5"),
+    (dict(growth_factor=math.nan), ValueError, r"growth_factor must be finite and > 1, got nan"),
+    (dict(growth_factor=math.inf), ValueError, r"growth_factor must be finite and > 1, got inf"),
+    (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in the open interval \(0, 1\), got 0\.0"),
+    (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in the open interval \(0, 1\), got 1\.0"),
+    (dict(backoff_factor=2.0), ValueError, r"backoff_factor .*\(0, 1\), got 2\.0"),
+    (dict(backoff_factor=-0.5), ValueError, r"backoff_factor .*\(0, 1\), got -0\.5"),
+    (dict(backoff_factor=math.nan), ValueError, r"backoff_factor .*\(0, 1\), got nan"),
+    (dict(growth_interval=0), ValueError, r"growth_interval must be .*1.*got 0"),
+    (dict(growth_interval=-3), ValueError, r"growth_interval must be .*1.*got -3"),
+    (dict(growth_interval=2.5), TypeError, r"growth_interval must be an int >= 1, got 2\.5"),
+    (dict(growth_interval=True), TypeError, r"growth_interval must be an int >= 1, got True"),
+    (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError,
+     r"min_scale must be <= max_scale, got min_scale=8\.0 > max_scale=4\.0"),
+    (dict(min_scale=0.0), ValueError, r"min_scale must be finite and > 0.*got 0\.0"),
+    (dict(max_scale=math.nan), ValueError, r"max_scale .*got nan"),
+    (dict(init_scale=2.0**30), ValueError, r"init_scale must be in \[min_scale, max_scale\].*got 1073741824\.0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_SCALER_CONFIGS, ids=[str(c[0]) for c in BAD_SCALER_CONFIGS])
+def test_bad_scaler_configs(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp.dynamic_loss_scaling(optax.adam(1e-3), **kwargs)
+
+
+@pytest.mark.parametrize("scale,exc,match", [
+    (0.0, ValueError, r"scale must be finite and > 0.*got 0\.0"),
+    (-1.0, ValueError, r"scale must be finite and > 0.*got -1\.0"),
+    (math.inf, ValueError, r"scale must be finite and > 0.*got inf"),
+    (math.nan, ValueError, r"scale must be finite and > 0.*got nan"),
+    ("x", TypeError, r"scale must be a real number, got 'x'"),
+])
+def test_bad_static_scale(scale, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp.static_loss_scaling(optax.adam(1e-3), scale)
+
+
+@pytest.mark.parametrize("inner", [optax.adam, "adam", None, (optax.sgd(0.1),)],
+                         ids=["uncalled-factory", "string", "None", "tuple"])
+def test_non_transformation_inner(inner):
+  with pytest.raises(TypeError, match=r"inner must be an optax transformation .*got"):
+    jmp.dynamic_loss_scaling(inner)
+  with pytest.raises(TypeError, match=r"inner must be an optax transformation"):
+    jmp.static_loss_scaling(inner, 2.0)
