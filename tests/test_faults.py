@@ -290,6 +290,7 @@ _SHARDED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_poison_in_one_shard_of_a_sharded_batch():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (

@@ -254,6 +254,7 @@ def test_underflow_rescue(underflow):
   assert dynamic.final_scale >= 2.0**15 and dynamic.skipped == 0
 
 
+@pytest.mark.slow
 def test_underflow_example_smoke():
   proc = subprocess.run([sys.executable, str(EXAMPLES / "underflow.py"), "--smoke"],
                         capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -805,6 +805,7 @@ _SHARDED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sharded_step_skips_on_every_device_together():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
