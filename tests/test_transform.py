@@ -115,13 +115,8 @@ class GradScalerModel:
       self.tracker = 0
 
 
-def run_pattern(tx, pattern, jit):
-  """Feeds ``tx`` gradients of the scaled loss, non-finite where ``pattern`` is True.
-
-  Returns the loss scale and growth count after every step (numpy arrays).
-  Under ``jit`` the whole pattern runs in one ``lax.scan``.
-  """
-  params = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
+def _pattern_step(tx):
+  """One step of ``run_pattern``: ``(params, state), bad -> carry, (scale, growth count)``."""
   true_grads = {"w": jnp.array([0.25, -0.5, 1.0], jnp.float32)}
 
   def step(carry, bad):
@@ -131,11 +126,28 @@ def run_pattern(tx, pattern, jit):
     updates, state = tx.update(scaled, state, params)
     return (optax.apply_updates(params, updates), state), (state.loss_scale, state.growth_count)
 
+  return step
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_scan(tx):
+  """The whole pattern in one jitted ``lax.scan``, compiled once per ``tx`` and pattern length."""
+  return jax.jit(lambda carry, pattern: jax.lax.scan(_pattern_step(tx), carry, pattern))
+
+
+def run_pattern(tx, pattern, jit):
+  """Feeds ``tx`` gradients of the scaled loss, non-finite where ``pattern`` is True.
+
+  Returns the loss scale and growth count after every step (numpy arrays).
+  Under ``jit`` the whole pattern runs in one ``lax.scan``.
+  """
+  params = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
   state = tx.init(params)
   pattern = np.asarray(pattern, bool)
   if jit:
-    _, (scales, counts) = jax.jit(lambda c, p: jax.lax.scan(step, c, p))((params, state), pattern)
+    _, (scales, counts) = _pattern_scan(tx)((params, state), pattern)
     return np.asarray(scales), np.asarray(counts)
+  step = _pattern_step(tx)
   scales, counts = [], []
   carry = (params, state)
   for bad in pattern:
@@ -159,7 +171,8 @@ def model_scales(model, pattern):
 PATTERN_LEN = 48
 # Factors exactly representable in float32, so GradScaler's double-precision
 # multiply rounds to the same float32 as jmp_lite's float32 multiply.
-# A small config space, so that the jitted runners (one per config) are reused.
+# A small config space, so that the jitted runners (one per config) are reused:
+# _jitted_runner keeps one tx per config and _pattern_scan one compilation per tx.
 _CONFIGS = st.tuples(
     st.sampled_from([2.0**15, 3.0 * 2.0**8]),
     st.sampled_from([2.0, 1.5]),
