@@ -19,6 +19,9 @@ import optax
 import pytest
 
 import jmp_lite as jmp
+from conftest import assert_bitwise_equal
+from conftest import regression_loss
+from conftest import regression_params
 
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 4
@@ -45,21 +48,13 @@ _poison_grad.defvjp(_poison_grad_fwd, _poison_grad_bwd)
 
 
 def loss_fn(params, batch):
-  """A small MLP; ``loss_poison`` multiplies the loss, ``grad_poison`` hits w1's grad only."""
+  """The poisoned regression MLP; ``grad_poison`` also hits w1's grad only."""
   w1 = _poison_grad(params["w1"], batch["grad_poison"])
-  h = jnp.tanh(batch["x"] @ w1 + params["b1"])
-  pred = (h @ params["w2"]).astype(jnp.float32)
-  loss = jnp.mean((pred - batch["y"].astype(jnp.float32)) ** 2)
-  return loss * batch["loss_poison"].astype(jnp.float32)
+  return regression_loss(dict(params, w1=w1), batch)
 
 
 def make_params():
-  k1, k2 = jax.random.split(jax.random.key(1))
-  return {
-      "w1": jax.random.normal(k1, (8, 32)) * 0.3,
-      "b1": jnp.full((32,), 0.01),
-      "w2": jax.random.normal(k2, (32, 1)) * 0.1,
-  }
+  return regression_params(1, 8, 32, 1, w1_std=0.3, b1=0.01, w2_std=0.1)
 
 
 def make_batch(loss_poison=1.0, grad_poison=0.0):
@@ -67,7 +62,7 @@ def make_batch(loss_poison=1.0, grad_poison=0.0):
   return {
       "x": x,
       "y": jnp.sin(x[:, :1]) + 0.5 * x[:, 1:2],
-      "loss_poison": jnp.float32(loss_poison),
+      "poison": jnp.float32(loss_poison),  # multiplies the loss
       "grad_poison": jnp.float32(grad_poison),
   }
 
@@ -80,23 +75,6 @@ def make_tx():
       min_scale=MIN_SCALE,
       max_scale=MAX_SCALE,
   )
-
-
-def bits(tree):
-  """Every leaf as its raw bits (uint view), for bit-for-bit comparisons."""
-  out = []
-  for leaf in jax.tree.leaves(tree):
-    a = np.asarray(leaf)
-    out.append((a.dtype, a.shape, a.view(f"u{a.dtype.itemsize}").copy()))
-  return out
-
-
-def assert_bits_equal(a, b):
-  ba, bb = bits(a), bits(b)
-  assert len(ba) == len(bb)
-  for (da, sa, va), (db, sb, vb) in zip(ba, bb):
-    assert da == db and sa == sb
-    np.testing.assert_array_equal(va, vb)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +111,8 @@ def run_bad_streak(step, state, batches):
     ls = state.opt_state
     assert not bool(metrics["grads_finite"])
     assert float(metrics["loss_scale"]) == scale  # the scale used on this step
-    assert_bits_equal(state.params, before.params)
-    assert_bits_equal(ls.inner_state, before.opt_state.inner_state)
+    assert_bitwise_equal(state.params, before.params)
+    assert_bitwise_equal(ls.inner_state, before.opt_state.inner_state)
     scale = max(scale * 0.5, MIN_SCALE)
     assert float(ls.loss_scale) == scale
     assert ls.loss_scale.dtype == jnp.float32
@@ -234,13 +212,13 @@ def test_other_transformations_refuse_a_poisoned_step(make):
   state, _ = step(state, make_batch())
   new, metrics = step(state, make_batch(grad_poison=np.nan))
   assert not bool(metrics["grads_finite"])
-  assert_bits_equal(new.params, state.params)
+  assert_bitwise_equal(new.params, state.params)
   if isinstance(state.opt_state, jmp.LossScaleState):  # static scaling
-    assert_bits_equal(new.opt_state.inner_state, state.opt_state.inner_state)
+    assert_bitwise_equal(new.opt_state.inner_state, state.opt_state.inner_state)
     assert float(new.opt_state.loss_scale) == 2.0**6
     assert int(new.opt_state.skipped_steps) == 1
   else:  # plain optax: the step keeps the old state by a select
-    assert_bits_equal(new.opt_state, state.opt_state)
+    assert_bitwise_equal(new.opt_state, state.opt_state)
   new, metrics = step(new, make_batch())
   assert bool(metrics["grads_finite"])
   assert not np.array_equal(np.asarray(new.params["w1"]), np.asarray(state.params["w1"]))
@@ -312,6 +290,7 @@ _SHARDED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_poison_in_one_shard_of_a_sharded_batch():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (

@@ -12,6 +12,7 @@ from flax import nnx
 from sklearn.datasets import load_digits
 
 import jmp_lite as jmp
+from conftest import assert_bitwise_equal
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +227,7 @@ def test_linen_batch_stats_as_model_state(digits):
   state, metrics = step(state, dict(digits, x=digits["x"].at[0, 5].set(jnp.nan)))
   assert not bool(metrics["grads_finite"])
   after = jax.device_get((state.params, state.model_state))
-  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
-    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert_bitwise_equal(after, before)
 
 
 def test_nnx_non_param_state_as_model_state(digits):

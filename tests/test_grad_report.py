@@ -254,6 +254,7 @@ def test_underflow_rescue(underflow):
   assert dynamic.final_scale >= 2.0**15 and dynamic.skipped == 0
 
 
+@pytest.mark.slow
 def test_underflow_example_smoke():
   proc = subprocess.run([sys.executable, str(EXAMPLES / "underflow.py"), "--smoke"],
                         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -320,3 +321,13 @@ def test_nonfinite_paths_names_the_leaves_of_an_overflowing_norm():
   state, metrics = step(state, {"x": jnp.full(1, 1.5e19)})
   assert not bool(metrics["grads_finite"])
   assert jmp.nonfinite_paths(metrics["nonfinite"]) == ["a", "b"]
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+@pytest.mark.parametrize("tree", [{}, None, [], {"n": jnp.arange(3)}, (1, 2)],
+                         ids=["dict", "None", "list", "ints-only", "python-ints"])
+def test_gradient_report_on_an_empty_tree(tree):
+  with pytest.raises(ValueError, match=r"gradient_report needs a pytree with floating array leaves, got"):
+    jmp.gradient_report(tree)

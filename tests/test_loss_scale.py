@@ -1,6 +1,7 @@
 """jmp-compatible loss scales, all_finite and select_tree (issue 2)."""
 
 import dataclasses
+import math
 
 import hypothesis
 import hypothesis.strategies as st
@@ -136,9 +137,21 @@ def test_dynamic_matches_jmp(finites, maybe_jit):
   np.testing.assert_array_equal(ours.unscale(ours.scale(grads))["w"], theirs.unscale(theirs.scale(grads["w"])))
 
 
+@jax.jit
+def _adjust_sequence(ls, finites):
+  """The scale and counter after each ``adjust``; one compilation per (period, factor)."""
+  def body(s, finite):
+    s = s.adjust(finite)
+    return s, (s.loss_scale, s.counter)
+
+  return jax.lax.scan(body, ls, finites)[1]
+
+
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
-    finites=st.lists(st.booleans(), min_size=1, max_size=40),
+    # One length, so that the scan compiles once per (period, factor). Every
+    # step is checked, so a shorter sequence is covered as a prefix.
+    finites=st.lists(st.booleans(), min_size=40, max_size=40),
     period=st.integers(1, 5),
     factor=st.sampled_from([2, 4, 8]),  # Powers of two: every step is exact.
     log_init=st.integers(-2, 20),
@@ -149,12 +162,7 @@ def test_adjust_matches_python_model(finites, period, factor, log_init, log_floo
   ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**log_init), period=period, factor=factor,
                                  min_loss_scale=jnp.float32(floor))
   scale, counter = 2.0**log_init, 0
-
-  def body(s, finite):
-    s = s.adjust(finite)
-    return s, (s.loss_scale, s.counter)
-
-  _, (scales, counters) = jax.lax.scan(body, ls, jnp.array(finites))
+  scales, counters = _adjust_sequence(ls, jnp.array(finites))
   for i, finite in enumerate(finites):
     scale, counter = _model_adjust(scale, counter, finite, period, factor, floor)
     assert float(scales[i]) == float(scale), (i, finites[: i + 1])
@@ -309,3 +317,34 @@ def test_static_from_a_traced_value_like_jmp():
     return ls.unscale(ls.scale(x) + 1.0)
 
   np.testing.assert_allclose(f(jnp.float32(4.0), jnp.float32(2.0)), 2.25)
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(period=0), r"period must be an int >= 1, got 0"),
+    (dict(factor=1), r"factor must be finite and > 1, got 1"),
+    (dict(factor=0.5), r"factor must be finite and > 1, got 0\.5"),
+])
+def test_bad_jmp_dynamic_loss_scale(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jmp_lite.DynamicLossScale(jnp.float32(2.0**15), **kwargs)
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, math.inf, math.nan])
+def test_bad_jmp_static_loss_scale(value):
+  with pytest.raises(ValueError, match=rf"loss_scale must be finite and > 0, got {value!r}"):
+    jmp_lite.StaticLossScale(value)
+
+
+def test_select_tree_rejects_bad_predicates():
+  with pytest.raises(TypeError, match=r"pred must be a bool, got dtype float32"):
+    jmp_lite.select_tree(jnp.float32(1.0), 1.0, 2.0)
+  with pytest.raises(ValueError, match=r"pred must be a scalar, got shape \(2,\)"):
+    jmp_lite.select_tree(jnp.array([True, False]), 1.0, 2.0)
+
+
+def test_static_loss_scale_rejects_a_bool():
+  with pytest.raises(TypeError, match=r"loss_scale must be a real number, got True"):
+    jmp_lite.StaticLossScale(True)

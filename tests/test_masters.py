@@ -16,6 +16,11 @@ import pytest
 
 import jmp_lite as jmp
 from jmp_lite._src import masters
+from conftest import assert_bitwise_equal
+from conftest import classifier_batch
+from conftest import classifier_loss
+from conftest import classifier_params
+from conftest import host
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
@@ -41,24 +46,6 @@ def as_f64(x):
 def bits(x):
   x = np.asarray(x)
   return x.view(f"u{x.dtype.itemsize}")
-
-
-def host(tree):
-  """Host copies (PRNG keys as their key data), so donated buffers can be compared later."""
-  def one(x):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    return np.array(x, copy=True)
-  return jax.tree.map(one, tree)
-
-
-def assert_bitwise_equal(a, b):
-  la, ta = jax.tree.flatten(host(a))
-  lb, tb = jax.tree.flatten(host(b))
-  assert ta == tb
-  for x, y in zip(la, lb):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
 
 
 # ------------------------------------------------------------ stochastic rounding
@@ -232,24 +219,7 @@ def test_float32_leaves_are_updated_like_optax_and_none_stays_none():
 
 
 def make_params(seed=0):
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  return {
-      "w1": jax.random.normal(k1, (6, 16)) * 0.5,
-      "b1": jax.random.normal(k2, (16,)) * 0.1,
-      "w2": jax.random.normal(k3, (16, 3)) * 0.3,
-      "count": jnp.int32(4),
-  }
-
-
-def make_batch(seed=1, n=32):
-  kx, ky = jax.random.split(jax.random.key(seed))
-  return {"x": jax.random.normal(kx, (n, 6)), "y": jax.random.randint(ky, (n,), 0, 3)}
-
-
-def mlp_loss(params, batch):
-  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  logits = (h @ params["w2"]).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return dict(classifier_params(seed), count=jnp.int32(4))
 
 
 def dtypes(tree):
@@ -273,7 +243,7 @@ def test_step_computes_in_float32_and_writes_back_bf16(lean):
 
   def loss_fn(params, batch):
     seen["loss_fn"] = {params[k].dtype for k in ("w1", "b1", "w2")}
-    return mlp_loss(params, batch)
+    return classifier_loss(params, batch)
 
   tx = jmp.static_loss_scaling(optax.chain(spy(), optax.adam(1e-2)), 1.0)
   state = jmp.TrainState.create(params=make_params(), tx=tx, **lean)
@@ -285,7 +255,7 @@ def test_step_computes_in_float32_and_writes_back_bf16(lean):
   before = dtypes(state)
   losses = []
   for _ in range(25):
-    state, metrics = step(state, make_batch())
+    state, metrics = step(state, classifier_batch())
     losses.append(float(metrics["loss"]))
   assert seen["update"] == ({np.dtype(jnp.float32)}, {np.dtype(jnp.float32)})
   assert seen["loss_fn"] == {np.dtype(BF16)}
@@ -298,9 +268,9 @@ def test_step_computes_in_float32_and_writes_back_bf16(lean):
 @pytest.mark.parametrize("lean", LEAN, ids=LEAN_IDS)
 def test_step_write_back_is_apply_updates(lean):
   """One step with sgd(1) equals jmp.apply_updates of -grads on the float32 view."""
-  params, batch = make_params(), make_batch()
+  params, batch = make_params(), classifier_batch()
   state = jmp.TrainState.create(params=params, tx=optax.sgd(1.0), **lean)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("p=f32,c=f32,o=f32"), donate=False)
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("p=f32,c=f32,o=f32"), donate=False)
   new_state, _ = step(state, batch)
   trained = {k: v for k, v in state.params.items() if k != "count"}
   kwargs = {}
@@ -311,7 +281,7 @@ def test_step_write_back_is_apply_updates(lean):
 
   @jax.jit
   def reference(trained, kwargs):
-    grads = jax.grad(mlp_loss)(jax.tree.map(lambda p: p.astype(jnp.float32), trained), batch)
+    grads = jax.grad(classifier_loss)(jax.tree.map(lambda p: p.astype(jnp.float32), trained), batch)
     updates = jax.tree.map(lambda g: -g, grads)
     return jmp.apply_updates(trained, updates, rounding=lean["rounding"], **kwargs)
 
@@ -359,8 +329,8 @@ def test_skipped_step_is_exact(lean):
   inner = optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule))
   tx = jmp.dynamic_loss_scaling(inner, init_scale=2.0**10, growth_interval=100)
   state = jmp.TrainState.create(params=make_params(), tx=tx, **lean)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
-  batch = make_batch()
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
+  batch = classifier_batch()
   for _ in range(3):
     state, metrics = step(state, batch)
     assert bool(metrics["grads_finite"])
@@ -435,10 +405,10 @@ def test_x64_float64_params_become_bf16_masters_and_compute_in_float32():
     assert {state.params[k].dtype for k in ("w1", "b1", "w2")} == {np.dtype(BF16)}
     adam = state.opt_state[0]
     assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {np.dtype(jnp.float32)}
-    step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
+    step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
     before = dtypes(state)
     for _ in range(5):
-      state, metrics = step(state, make_batch())
+      state, metrics = step(state, classifier_batch())
     assert dtypes(state) == before and step._cache_size() == 1
     assert bool(metrics["grads_finite"])
 
@@ -565,19 +535,19 @@ def test_apply_updates_refuses_bad_input():
 
 
 def test_hand_built_states_are_refused_at_trace_time():
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
   lean = jmp.TrainState.create(params=make_params(), tx=optax.sgd(0.1), **LEAN[2])
   f32_params = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == BF16 else x, lean.params)
   with pytest.raises(TypeError, match=r"bfloat16 master weights.*'b1' is float32.*master_dtype=jnp.bfloat16"):
-    step(lean.replace(params=f32_params, compensation=None, rounding="nearest"), make_batch())
+    step(lean.replace(params=f32_params, compensation=None, rounding="nearest"), classifier_batch())
   with pytest.raises(ValueError, match=r"compensation must have the tree structure of params"):
-    step(lean.replace(compensation={"w1": lean.compensation["w1"]}), make_batch())
+    step(lean.replace(compensation={"w1": lean.compensation["w1"]}), classifier_batch())
   with pytest.raises(ValueError, match=r"state.rounding_key is missing"):
-    step(lean.replace(rounding="stochastic", compensation=None), make_batch())
+    step(lean.replace(rounding="stochastic", compensation=None), classifier_batch())
   with pytest.raises(ValueError, match=r"state.compensation is only used with rounding='kahan'"):
-    step(lean.replace(rounding="nearest"), make_batch())
+    step(lean.replace(rounding="nearest"), classifier_batch())
   with pytest.raises(ValueError, match=r"rounding must be one of"):
-    step(lean.replace(rounding="Kahan"), make_batch())
+    step(lean.replace(rounding="Kahan"), classifier_batch())
   f32 = jmp.TrainState.create(params=make_params(), tx=optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"rounding='kahan' needs bfloat16 masters"):
-    step(f32.replace(rounding="kahan"), make_batch())
+    step(f32.replace(rounding="kahan"), classifier_batch())

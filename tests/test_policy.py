@@ -3,6 +3,8 @@
 import dataclasses
 from typing import NamedTuple
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jmp
@@ -314,3 +316,270 @@ def test_keep_rules_do_not_change_str_and_stay_hashable():
 def test_bad_keep_rule(rule, error):
   with pytest.raises(error, match="keep rule"):
     jmp_lite.Policy(F32, F16, F32, keep_full=(rule,))
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+MALFORMED_POLICIES = [
+    # (string, exception, regex that the message must match)
+    ("p=f32;c=f16", ValueError, r"malformed part 'p=f32;c=f16'.*key=value"),
+    ("p=f32=c", ValueError, r"malformed part 'p=f32=c'.*key=value"),
+    ("p=f32,,c=f16", ValueError, r"malformed part ''.*'p=f32,,c=f16'"),
+    ("x=f32", ValueError, r"unknown key 'x'.*allowed keys: c, compute, o, output, p, params"),
+    ("p=f32,param=bf16", ValueError, r"unknown key 'param'.*allowed keys"),
+    ("p=", ValueError, r"empty value for key 'p'.*allowed dtype names"),
+    ("p=f32,c= ", ValueError, r"empty value for key 'c'.*allowed dtype names"),
+    ("p=int32", ValueError, r"'int32'.*'p=int32'.*allowed dtype names: .*bf16"),
+    ("c=bool", ValueError, r"'bool'.*allowed dtype names"),
+    ("int8", ValueError, r"'int8'.*allowed dtype names"),
+    ("f33", ValueError, r"'f33'.*allowed dtype names"),
+    ("p=f32,p=f16", ValueError, r"key 'p' is given twice in policy 'p=f32,p=f16'"),
+    ("p=f32,params=f16", ValueError, r"key 'params' is given twice"),
+    ("", ValueError, r"empty policy string ''.*comma-separated key=value"),
+    ("   ", ValueError, r"empty policy string '   '"),
+    # Strings that numpy's dtype parser itself chokes on must still give our message.
+    (",", ValueError, r"','.*allowed"),
+    ("1;", ValueError, r"'1;'.*allowed"),
+    ("f4,f4", ValueError, r"'f4,f4'.*allowed"),
+]
+
+
+@pytest.mark.parametrize("text,exc,match", MALFORMED_POLICIES, ids=[repr(m[0]) for m in MALFORMED_POLICIES])
+def test_malformed_policy_strings(text, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp_lite.get_policy(text)
+
+
+@pytest.mark.parametrize("value", [None, 3, jnp.float16, ["p=f32"], b"p=f32"])
+def test_get_policy_rejects_non_strings(value):
+  with pytest.raises(TypeError, match=r"get_policy expects a string, got .*key=value"):
+    jmp_lite.get_policy(value)
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype", "output_dtype"])
+@pytest.mark.parametrize("dtype", [jnp.int32, np.int8, jnp.bool_, "uint8", jnp.complex64])
+def test_policy_rejects_non_floating_dtypes(field, dtype):
+  kwargs = dict(param_dtype=jnp.float32, compute_dtype=jnp.float16, output_dtype=jnp.float32)
+  kwargs[field] = dtype
+  with pytest.raises(TypeError, match=rf"{field} must be a floating dtype.*float32.*got"):
+    jmp_lite.Policy(**kwargs)
+  base = jmp_lite.get_policy("mixed_float16")
+  method = {"param_dtype": base.with_param_dtype, "compute_dtype": base.with_compute_dtype,
+            "output_dtype": base.with_output_dtype}[field]
+  with pytest.raises(TypeError, match=rf"{field} must be a floating dtype"):
+    method(dtype)
+
+
+def test_policy_rejects_non_dtypes():
+  with pytest.raises(TypeError, match=r"compute_dtype must be a floating dtype, got 'nonsense'"):
+    jmp_lite.Policy(jnp.float32, "nonsense", jnp.float32)
+
+
+def test_bad_keep_rules():
+  with pytest.raises(ValueError, match=r"keep rule '\(' is not a valid regular expression"):
+    jmp_lite.get_policy("mixed_float16").with_keep_full("(")
+  with pytest.raises(TypeError, match=r"keep rule must be a regex string or a callable.*got 3"):
+    jmp_lite.get_policy("mixed_float16").with_keep_full(3)
+
+
+@pytest.mark.parametrize("text,suggestion", [
+    ("mixed_fp16", "'mixed_float16'"),
+    ("mixed_bf16", "'mixed_bfloat16'"),
+    ("flaot16", "'float16'"),
+    ("p=f32,c=bfloat", "'bfloat16'"),
+])
+def test_get_policy_suggests_the_closest_names(text, suggestion):
+  with pytest.raises(ValueError, match=rf"Unknown dtype .*did you mean {suggestion}") as e:
+    jmp_lite.get_policy(text)
+  if "=" not in text:  # A bare name also gets the grammar, Keras names included.
+    assert "mixed_float16" in str(e.value) and "p=f32,c=bf16,o=f32" in str(e.value)
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: jmp_lite.Policy(None, jnp.float16, jnp.float32), TypeError,
+     r"param_dtype must be a floating dtype .*got None"),
+    (lambda: jmp_lite.get_policy("float128"), ValueError, r"Unknown dtype 'float128'"),
+    (lambda: jmp_lite.Policy(np.longdouble, jnp.float16, jnp.float32), TypeError,
+     r"param_dtype must be a floating dtype"),
+])
+def test_policy_rejects_none_and_unsupported_dtypes(make, exc, match):
+  with pytest.raises(exc, match=match):
+    make()
+
+
+# ------------------------------------------------ properties: casting (issue 7)
+
+FLOAT_DTYPES = [np.float16, jnp.bfloat16, np.float32, np.float64]
+CAST_DTYPES = [np.float16, jnp.bfloat16, np.float32, jnp.float8_e4m3fn]
+
+
+@st.composite
+def floating_leaves(draw):
+  dtype = np.dtype(draw(st.sampled_from(FLOAT_DTYPES)))
+  shape = draw(st.sampled_from([(), (3,), (2, 2)]))
+  values = np.asarray(
+      draw(st.lists(st.floats(-1e3, 1e3, width=16), min_size=int(np.prod(shape)),
+                    max_size=int(np.prod(shape)))), np.float32
+  ).reshape(shape)
+  kind = draw(st.sampled_from(["jax", "numpy", "numpy-scalar"]))
+  if kind == "jax" and dtype != np.float64:
+    return jnp.asarray(values, dtype)
+  if kind == "numpy-scalar":
+    return dtype.type(values.reshape(-1)[0] if values.size else 1.5)
+  return values.astype(dtype)
+
+
+def other_leaves():
+  return st.sampled_from([
+      lambda: jnp.arange(3, dtype=jnp.int32),
+      lambda: np.arange(4, dtype=np.int64),
+      lambda: jnp.array([True, False]),
+      lambda: np.uint8(7),
+      lambda: jax.random.key(0),
+      lambda: 3,
+      lambda: 2.5,  # Python floats are not arrays: passed through
+      lambda: "name",
+      lambda: object(),
+  ]).map(lambda make: make())
+
+
+def trees():
+  leaves = floating_leaves() | other_leaves() | st.none()
+  return st.recursive(
+      leaves,
+      lambda children: st.lists(children, max_size=3)
+      | st.tuples(children, children)
+      | st.dictionaries(st.sampled_from("abcde"), children, max_size=3),
+      max_leaves=8,
+  )
+
+
+def policy_casts():
+  dtypes = st.sampled_from(CAST_DTYPES)
+
+  def make(p, c, o, which):
+    policy = jmp_lite.Policy(p, c, o)
+    dtype = {"param": p, "compute": c, "output": o}[which]
+    return getattr(policy, f"cast_to_{which}"), np.dtype(dtype)
+
+  return st.one_of(
+      st.just((jmp_lite.cast_to_full, np.dtype(np.float32))),
+      st.just((jmp_lite.cast_to_half, np.dtype(jmp_lite.half_dtype()))),
+      st.builds(make, dtypes, dtypes, dtypes, st.sampled_from(["param", "compute", "output"])),
+  )
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(tree=trees(), cast=policy_casts(), jit=st.booleans())
+def test_casting_keeps_structure_and_non_floating_leaves(tree, cast, jit):
+  cast_fn, dtype = cast
+  out = cast_fn(tree)
+  assert jax.tree.structure(out) == jax.tree.structure(tree)
+  for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
+    is_float = isinstance(before, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        before.dtype, jnp.floating
+    )
+    if is_float:
+      assert after.dtype == dtype
+      assert np.shape(after) == np.shape(before)
+    else:
+      assert after is before
+  if jit:  # Under jit, with the array leaves as arguments.
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray))
+              and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != np.float64]
+    jitted = jax.jit(cast_fn)(arrays)
+    assert [a.dtype for a in jitted] == [dtype] * len(arrays)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("as_numpy", [False, True], ids=["jnp", "np"])
+def test_round_trip_within_dtype_precision(dtype, as_numpy, maybe_jit):
+  info = jnp.finfo(dtype)
+  max_value = float(info.max)
+
+  # Under jit every new list length compiles again: keep the examples few, do not shrink.
+  @hypothesis.settings(
+      max_examples=10,
+      deadline=None,
+      suppress_health_check=[hypothesis.HealthCheck.too_slow],
+      phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate],
+  )
+  @hypothesis.given(st.lists(st.floats(-max_value, max_value, width=32), min_size=1, max_size=16))
+  def check(values):
+    x = np.asarray(values, np.float32)
+    x = x if as_numpy else jnp.asarray(x)
+    policy = jmp_lite.Policy(jnp.float32, dtype, jnp.float32)
+    half = maybe_jit(policy.cast_to_compute)({"x": x})
+    assert half["x"].dtype == dtype
+    back = maybe_jit(jmp_lite.cast_to_full)(half)["x"]
+    assert back.dtype == jnp.float32
+    back, x = np.asarray(back, np.float64), np.asarray(x, np.float64)
+    assert np.isfinite(back).all()
+    # Round to nearest: relative error <= eps / 2 for normal numbers; below the
+    # normal range the error is at most half the smallest subnormal (or a
+    # flush to zero of float32 subnormals).
+    bound = np.maximum(np.abs(x) * float(info.eps) / 2,
+                       max(float(info.smallest_subnormal), float(np.finfo(np.float32).tiny)))
+    assert (np.abs(back - x) <= bound).all(), (x, back)
+
+  check()
+
+
+# ------------------------------------------------ properties: policy strings (issue 7)
+
+POLICY_DTYPES = [
+    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.float8_e4m3fn, jnp.float8_e5m2,
+]
+ALIASES = {
+    np.dtype(jnp.float16): ["f16", "float16", "F16"],
+    np.dtype(jnp.bfloat16): ["bf16", "bfloat16", "BF16"],
+    np.dtype(jnp.float32): ["f32", "float32", "full"],
+    np.dtype(jnp.float64): ["f64", "float64"],
+    np.dtype(jnp.float8_e4m3fn): ["float8_e4m3fn"],
+    np.dtype(jnp.float8_e5m2): ["float8_e5m2"],
+}
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    p=st.sampled_from(POLICY_DTYPES), c=st.sampled_from(POLICY_DTYPES),
+    o=st.sampled_from(POLICY_DTYPES),
+)
+def test_get_policy_of_str_round_trips(p, c, o):
+  policy = jmp_lite.Policy(p, c, o)
+  assert jmp_lite.get_policy(str(policy)) == policy
+  assert hash(jmp_lite.get_policy(str(policy))) == hash(policy)
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(data=st.data())
+def test_get_policy_accepts_every_spelling(data):
+  keys = {"param_dtype": ["p", "params"], "compute_dtype": ["c", "compute"],
+          "output_dtype": ["o", "output"]}
+  given = data.draw(st.dictionaries(st.sampled_from(list(keys)), st.sampled_from(POLICY_DTYPES)))
+  order = data.draw(st.permutations(list(given)))
+  parts = []
+  for field in order:
+    key = data.draw(st.sampled_from(keys[field]))
+    name = data.draw(st.sampled_from(ALIASES[np.dtype(given[field])]))
+    pad = data.draw(st.sampled_from(["", " "]))
+    parts.append(f"{pad}{key}{pad}={pad}{name}{pad}")
+  text = ",".join(parts)
+  hypothesis.assume(text)
+  p = given.get("param_dtype", jnp.float32)
+  c = given.get("compute_dtype", p)
+  o = given.get("output_dtype", c)
+  assert jmp_lite.get_policy(text) == jmp_lite.Policy(p, c, o)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(text=st.text(alphabet="pcof=,;123648b_ex ", max_size=14) | st.text(max_size=8))
+def test_get_policy_fuzz_returns_a_policy_or_raises_value_error(text):
+  try:
+    policy = jmp_lite.get_policy(text)
+  except ValueError as e:
+    assert repr(text) in str(e)  # the message quotes the string it rejects
+  else:
+    assert isinstance(policy, jmp_lite.Policy)
+    assert jmp_lite.get_policy(str(policy)) == policy

@@ -27,21 +27,12 @@ import optax
 import pytest
 
 import jmp_lite as jmp
-
-
-def mlp_loss(params, batch):
-  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  pred = h @ params["w2"]
-  return jnp.mean((pred.astype(jnp.float32) - batch["y"].astype(jnp.float32)) ** 2)
+from conftest import regression_loss
+from conftest import regression_params
 
 
 def make_params(dtype=jnp.float32):
-  k1, k2 = jax.random.split(jax.random.key(6))
-  params = {
-      "w1": jax.random.normal(k1, (4, 16)) * 0.5,
-      "b1": jnp.full((16,), 0.05),
-      "w2": jax.random.normal(k2, (16, 1)) * 0.2,
-  }
+  params = regression_params(6, 4, 16, 1, w1_std=0.5, b1=0.05, w2_std=0.2)
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
@@ -66,7 +57,7 @@ def test_f16_with_init_scale_above_f16_max():
   state = jmp.TrainState.create(params=make_params(), tx=tx)
   scale = jmp.loss_scale_of(state.opt_state)
   assert scale.dtype == jnp.float32 and float(scale) == 2.0**17  # not inf
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"), donate=False)
+  step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_float16"), donate=False)
   scales, losses = [], []
   for _ in range(40):
     state, metrics = step(state, make_batch())
@@ -98,7 +89,7 @@ def test_jmp_loss_scales_keep_a_big_scale_out_of_f16():
 @pytest.mark.parametrize("loss_dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_loss(loss_dtype):
   def loss_fn(params, batch):
-    return mlp_loss(params, batch).astype(loss_dtype)
+    return regression_loss(params, batch).astype(loss_dtype)
 
   policy = jmp.get_policy("mixed_bfloat16" if loss_dtype == jnp.bfloat16 else "mixed_float16")
   tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**8)
@@ -135,7 +126,7 @@ def test_direct_bf16_train_state_is_refused_at_trace_time(scaled):
   params = make_params(jnp.bfloat16)
   tx = jmp.dynamic_loss_scaling(optax.adam(1e-2)) if scaled else optax.adam(1e-2)
   state = jmp.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), tx=tx)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
+  step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
   with pytest.raises(TypeError, match=r"float32 \(or float64\) master weights.*is bfloat16.*TrainState.create"):
     step(state, make_batch())
 
@@ -151,7 +142,7 @@ def test_x64_float64_masters_and_float32_scale():
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(np.float64)}
     assert jmp.loss_scale_of(state.opt_state).dtype == jnp.float32
     assert state.opt_state.growth_count.dtype == jnp.int32
-    step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"), donate=False)
+    step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_float16"), donate=False)
     batch = jax.tree.map(lambda x: np.asarray(x, np.float64), make_batch())
     losses = []
     for _ in range(20):

@@ -20,26 +20,17 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmp_lite as jmp
+from conftest import assert_bitwise_equal
+from conftest import regression_loss
+from conftest import regression_params
 
 STEPS = 30
 POLICY = jmp.get_policy("mixed_float16")
 
 
-def loss_fn(params, batch):
-  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  pred = (h @ params["w2"]).astype(jnp.float32)
-  loss = jnp.mean((pred - batch["y"].astype(jnp.float32)) ** 2)
-  return loss * batch["poison"].astype(jnp.float32)
-
-
 def make_params():
-  k1, k2 = jax.random.split(jax.random.key(5))
-  return {
-      "w1": jax.random.normal(k1, (6, 16)) * 0.4,
-      "b1": jnp.full((16,), 0.02),
-      "w2": jax.random.normal(k2, (16, 2)) * 0.2,
-      "calls": jnp.int32(11),  # a non-floating leaf, carried through untouched
-  }
+  params = regression_params(5, 6, 16, 2, w1_std=0.4, b1=0.02, w2_std=0.2)
+  return dict(params, calls=jnp.int32(11))  # a non-floating leaf, carried through untouched
 
 
 def make_batches(seed):
@@ -60,21 +51,12 @@ def make_tx(**overrides):
   return jmp.dynamic_loss_scaling(optax.adamw(optax.cosine_decay_schedule(3e-3, STEPS)), **config)
 
 
-def _key_data(x):
-  return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-
-
 def assert_bit_equal(a, b):
-  if isinstance(a, jmp.TrainState):  # compare the arrays; tx is a (static) function pair
+  """``assert_bitwise_equal``; a ``TrainState``'s ``tx`` (a static function pair) may differ."""
+  if isinstance(a, jmp.TrainState):
     assert (a.master_dtype, a.rounding) == (b.master_dtype, b.rounding)
     a, b = [(s.step, s.params, s.opt_state, s.compensation, s.rounding_key) for s in (a, b)]
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  assert ta == tb
-  for x, y in zip(map(_key_data, la), map(_key_data, lb)):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    np.testing.assert_array_equal(x.view(f"u{x.dtype.itemsize}"), y.view(f"u{y.dtype.itemsize}"))
+  assert_bitwise_equal(a, b)
 
 
 def save(path, state):
@@ -90,7 +72,7 @@ def restore(path, template):
 
 @pytest.fixture(scope="module")
 def first_step():
-  return jmp.make_train_step(loss_fn, POLICY, donate=False)
+  return jmp.make_train_step(regression_loss, POLICY, donate=False)
 
 
 def test_kill_and_resume_is_bit_for_bit(tmp_path, first_step):
@@ -114,7 +96,7 @@ def test_kill_and_resume_is_bit_for_bit(tmp_path, first_step):
   resumed = restore(path, template)
   assert resumed.tx is tx
   assert int(resumed.step) == save_at
-  step = jmp.make_train_step(loss_fn, POLICY)  # donating, like a real run
+  step = jmp.make_train_step(regression_loss, POLICY)  # donating, like a real run
   for batch in batches[save_at:]:
     resumed, _ = step(resumed, batch)
   print(f"saved and resumed at step {save_at}")  # shown if the comparison fails
@@ -136,7 +118,7 @@ def test_lean_masters_resume_bit_for_bit(tmp_path, rounding, template):
   batches = make_batches(1)
   save_at = int(np.random.default_rng().integers(1, STEPS - 1))
   state = jmp.TrainState.create(params=make_params(), tx=make_tx(), **LEAN[rounding])
-  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"))
+  step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_bfloat16"))
   for t, batch in enumerate(batches):
     if t == save_at:
       save(tmp_path / "ckpt", state)
@@ -152,7 +134,7 @@ def test_lean_masters_resume_bit_for_bit(tmp_path, rounding, template):
   assert resumed.params["w1"].dtype == jnp.bfloat16 and int(resumed.step) == save_at
   if rounding == "stochastic":
     assert jax.dtypes.issubdtype(resumed.rounding_key.dtype, jax.dtypes.prng_key)
-  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"))
+  step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_bfloat16"))
   for batch in batches[save_at:]:
     resumed, _ = step(resumed, batch)
   print(f"saved and resumed at step {save_at}")
@@ -195,7 +177,7 @@ def test_restore_under_a_shorter_growth_interval(checkpoint):
   tx = make_tx(growth_interval=2)
   state = restore_under(checkpoint, tx)
   assert_bit_equal(state.opt_state, saved.opt_state)
-  step = jmp.make_train_step(loss_fn, POLICY, donate=False)
+  step = jmp.make_train_step(regression_loss, POLICY, donate=False)
   state, m = step(state, clean)
   assert float(m["loss_scale"]) == 2.0**10
   assert float(state.opt_state.loss_scale) == 2.0**11
@@ -210,7 +192,7 @@ def test_first_step_after_a_config_change_updates_params_like_the_old_config(che
   _, saved, clean = checkpoint
   expected, _ = first_step(saved, clean)
   state = restore_under(checkpoint, make_tx(growth_interval=50, max_scale=2.0**16))
-  step = jmp.make_train_step(loss_fn, POLICY, donate=False)
+  step = jmp.make_train_step(regression_loss, POLICY, donate=False)
   state, m = step(state, clean)
   assert float(m["loss_scale"]) == 2.0**10
   assert_bit_equal(state.params, expected.params)
@@ -227,7 +209,7 @@ def test_restore_under_a_lower_max_scale_obeys_the_new_cap(checkpoint):
   _, _, clean = checkpoint
   tx = make_tx(init_scale=2.0**4, max_scale=2.0**6, growth_interval=100)
   state = restore_under(checkpoint, tx)
-  step = jmp.make_train_step(loss_fn, POLICY, donate=False)
+  step = jmp.make_train_step(regression_loss, POLICY, donate=False)
   for _ in range(3):
     state, _ = step(state, clean)
     # The checkpointed 2**10 is clipped to the new cap, and stays there.
@@ -239,7 +221,7 @@ def test_restore_dynamic_checkpoint_under_static_scaling_uses_the_static_scale(c
   _, _, clean = checkpoint
   tx = jmp.static_loss_scaling(optax.adamw(optax.cosine_decay_schedule(3e-3, STEPS)), 8.0)
   state = restore_under(checkpoint, tx)
-  step = jmp.make_train_step(loss_fn, POLICY, donate=False)
+  step = jmp.make_train_step(regression_loss, POLICY, donate=False)
   state, _ = step(state, clean)
   for _ in range(2):
     state, m = step(state, clean)
@@ -256,7 +238,7 @@ def test_restore_static_checkpoint_under_dynamic_scaling(tmp_path):
   state = restore(tmp_path / "static", jmp.TrainState.create(params=make_params(), tx=tx))
   assert float(state.opt_state.loss_scale) == 2.0**5
   clean = dict(make_batches(3)[1], poison=np.float32(1.0))
-  step = jmp.make_train_step(loss_fn, POLICY, donate=False)
+  step = jmp.make_train_step(regression_loss, POLICY, donate=False)
   scales = []
   for _ in range(4):
     state, m = step(state, clean)

@@ -11,6 +11,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here is a 4-device subprocess
+
 CHILD = textwrap.dedent(
     """
     import jax

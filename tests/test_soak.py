@@ -13,6 +13,8 @@ import optax
 import pytest
 
 import jmp_lite as jmp
+from conftest import regression_loss
+from conftest import regression_params
 
 STEPS = 5000
 OVERFLOW_RATE = 0.2
@@ -21,20 +23,8 @@ MAX_SCALE = 2.0**10
 GROWTH_INTERVAL = 2
 
 
-def loss_fn(params, batch):
-  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  pred = (h @ params["w2"]).astype(jnp.float32)
-  loss = jnp.mean((pred - batch["y"].astype(jnp.float32)) ** 2)
-  return loss * batch["poison"].astype(jnp.float32)
-
-
 def make_params():
-  k1, k2 = jax.random.split(jax.random.key(3))
-  return {
-      "w1": jax.random.normal(k1, (4, 8)) * 0.5,
-      "b1": jnp.full((8,), 0.01),
-      "w2": jax.random.normal(k2, (8, 1)) * 0.1,
-  }
+  return regression_params(3, 4, 8, 1, w1_std=0.5, b1=0.01, w2_std=0.1)
 
 
 def make_data():
@@ -64,7 +54,7 @@ def run():
       min_scale=MIN_SCALE,
       max_scale=MAX_SCALE,
   )
-  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"), donate=False)
+  step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_float16"), donate=False)
   x, y = make_data()
 
   @jax.jit

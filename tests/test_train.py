@@ -8,6 +8,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmp_lite as jmp
+from conftest import assert_bitwise_equal
+from conftest import classifier_batch
+from conftest import classifier_loss
+from conftest import classifier_params
+from conftest import host
 
 DTYPES = {
     "float32": (jnp.float32, 1e-5),
@@ -16,43 +21,8 @@ DTYPES = {
 }
 
 
-def make_params(seed=0):
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  return {
-      "w1": jax.random.normal(k1, (6, 16), jnp.float32) * 0.5,
-      "b1": jax.random.normal(k2, (16,), jnp.float32) * 0.1,
-      "w2": jax.random.normal(k3, (16, 3), jnp.float32) * 0.3,
-  }
-
-
-def make_batch(seed=1, n=32):
-  kx, ky = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(kx, (n, 6), jnp.float32)
-  return {"x": x, "y": jax.random.randint(ky, (n,), 0, 3)}
-
-
-def mlp_loss(params, batch):
-  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  logits = (h @ params["w2"]).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
 def poison(batch, index=(3, 2)):
   return dict(batch, x=batch["x"].at[index].set(jnp.nan))
-
-
-def host(tree):
-  """A host copy, so that donated buffers can still be compared afterwards."""
-  return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
-
-
-def assert_bitwise_equal(a, b):
-  leaves_a, tree_a = jax.tree.flatten(host(a))
-  leaves_b, tree_b = jax.tree.flatten(host(b))
-  assert tree_a == tree_b
-  for x, y in zip(leaves_a, leaves_b):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
 
 
 def inner_adam_state(opt_state):
@@ -71,10 +41,10 @@ def test_step_matches_fp32_reference(name):
 
   def loss_fn(params, batch):
     seen.append((jax.tree.map(lambda p: p.dtype, params), batch["x"].dtype, batch["y"].dtype))
-    return mlp_loss(params, batch)
+    return classifier_loss(params, batch)
 
-  params, batch = make_params(), make_batch()
-  ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
+  params, batch = classifier_params(), classifier_batch()
+  ref_loss, ref_grads = jax.value_and_grad(classifier_loss)(params, batch)
   # sgd(1.0) turns the update into -grads, so the step's gradients can be read
   # off the params.
   tx = jmp.static_loss_scaling(optax.sgd(1.0), 2.0**7)
@@ -120,18 +90,18 @@ def test_small_updates_accumulate_in_fp32_masters(name):
 
 
 def test_adam_training_follows_the_fp32_reference():
-  params, batch = make_params(), make_batch()
+  params, batch = classifier_params(), classifier_batch()
   opt = optax.adam(1e-2)
   ref_params, ref_opt = params, opt.init(params)
 
   @jax.jit
   def ref_step(p, s):
-    loss, g = jax.value_and_grad(mlp_loss)(p, batch)
+    loss, g = jax.value_and_grad(classifier_loss)(p, batch)
     updates, s = opt.update(g, s, p)
     return optax.apply_updates(p, updates), s, loss
 
   state = jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(opt, init_scale=2.0**8))
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("p=f32,c=f32"))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("p=f32,c=f32"))
   losses = []
   for _ in range(5):
     ref_params, ref_opt, ref_loss = ref_step(ref_params, ref_opt)
@@ -147,9 +117,9 @@ def test_poisoned_batch_skips_the_step_bit_for_bit():
   schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=10)
   inner = optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule))
   tx = jmp.dynamic_loss_scaling(inner, init_scale=2.0**10, growth_interval=100)
-  state = jmp.TrainState.create(params=make_params(), tx=tx)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"))
-  batch = make_batch()
+  state = jmp.TrainState.create(params=classifier_params(), tx=tx)
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_float16"))
+  batch = classifier_batch()
   for _ in range(2):
     old = state
     state, metrics = step(state, batch)
@@ -182,9 +152,9 @@ def test_poisoned_batch_skips_the_step_bit_for_bit():
 
 
 def test_plain_optax_tx_refuses_non_finite_gradients():
-  state = jmp.TrainState.create(params=make_params(), tx=optax.adam(1e-2))
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
-  batch = make_batch()
+  state = jmp.TrainState.create(params=classifier_params(), tx=optax.adam(1e-2))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
+  batch = classifier_batch()
   state, metrics = step(state, batch)
   assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 1.0
   before = host(state)
@@ -204,7 +174,7 @@ def test_loss_scaling_nested_in_a_chain_is_refused():
   tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2)
   with pytest.raises(ValueError, match=r"not outermost: its state is at opt_state\[0\].*"
                      r"jmp.dynamic_loss_scaling\(optax.chain"):
-    jmp.TrainState.create(params=make_params(), tx=optax.chain(tx))
+    jmp.TrainState.create(params=classifier_params(), tx=optax.chain(tx))
 
 
 def test_non_floating_params_pass_through_untouched():
@@ -215,16 +185,16 @@ def test_non_floating_params_pass_through_untouched():
     seen["key"] = params["key"].dtype
     noise = jax.random.normal(params["key"], batch["x"].shape, batch["x"].dtype)
     scale = params["count"].astype(batch["x"].dtype)
-    return mlp_loss(params["mlp"], dict(batch, x=batch["x"] + 0.01 * scale * noise))
+    return classifier_loss(params["mlp"], dict(batch, x=batch["x"] + 0.01 * scale * noise))
 
-  params = {"mlp": make_params(), "count": jnp.int32(7), "key": jax.random.key(3)}
+  params = {"mlp": classifier_params(), "count": jnp.int32(7), "key": jax.random.key(3)}
   state = jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(optax.adam(1e-2)))
   adam_state = inner_adam_state(state.opt_state)
   assert adam_state.mu["count"] is None and adam_state.mu["key"] is None
   step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), track_nonfinite=True)
   key_data = np.asarray(jax.random.key_data(params["key"]))
   for _ in range(3):
-    state, metrics = step(state, make_batch())
+    state, metrics = step(state, classifier_batch())
   assert seen["count"] == jnp.int32 and jax.dtypes.issubdtype(seen["key"], jax.dtypes.prng_key)
   assert state.params["count"].dtype == jnp.int32 and int(state.params["count"]) == 7
   np.testing.assert_array_equal(jax.random.key_data(state.params["key"]), key_data)
@@ -263,12 +233,12 @@ def test_no_retrace_and_stable_state_across_steps_including_skips():
 
   def loss_fn(params, batch):
     traces.append(1)
-    return mlp_loss(params, batch)
+    return classifier_loss(params, batch)
 
   tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**4, growth_interval=2)
-  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  state = jmp.TrainState.create(params=classifier_params(), tx=tx)
   step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
-  batch = make_batch()
+  batch = classifier_batch()
   spec = jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "weak_type", False)), state)
   for b in [batch, batch, poison(batch), batch, poison(batch), poison(batch), batch]:
     state, _ = step(state, b)
@@ -315,12 +285,12 @@ def test_bad_arguments_are_rejected():
   with pytest.raises(TypeError, match="tx must be an optax transformation"):
     jmp.TrainState.create(params={}, tx="adam")
   with pytest.raises(TypeError, match="policy must be a jmp_lite.Policy"):
-    jmp.make_train_step(mlp_loss, "mixed_float16")
+    jmp.make_train_step(classifier_loss, "mixed_float16")
   with pytest.raises(TypeError, match="loss_fn must be callable"):
     jmp.make_train_step(3, jmp.get_policy("f32"))
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("f32"))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("f32"))
   with pytest.raises(TypeError, match="must be a jmp_lite.TrainState.*dict"):
-    step({"params": make_params()}, make_batch())
+    step({"params": classifier_params()}, classifier_batch())
 
 
 @pytest.mark.parametrize(
@@ -357,17 +327,17 @@ def test_has_aux_needs_a_pair():
 
 def test_changing_tree_structure_between_calls_is_an_error():
   tx = optax.sgd(0.1)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
-  state = jmp.TrainState.create(params=make_params(), tx=tx)
-  batch = make_batch()
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"), donate=False)
+  state = jmp.TrainState.create(params=classifier_params(), tx=tx)
+  batch = classifier_batch()
   state, _ = step(state, batch)
-  state, _ = step(state, make_batch(seed=2, n=8))  # A new shape is fine (it compiles).
+  state, _ = step(state, classifier_batch(seed=2, n=8))  # A new shape is fine (it compiles).
 
   with pytest.raises(ValueError, match=r"batch tree changed structure(.|\n)*expected(.|\n)*'w'"):
     step(state, dict(batch, w=jnp.ones(32)))
   with pytest.raises(ValueError, match=r"batch tree changed(.|\n)*received: PyTreeDef\(\*\)"):
     step(state, batch["x"])
-  bigger = jmp.TrainState.create(params=dict(make_params(), extra=jnp.ones(2)), tx=tx)
+  bigger = jmp.TrainState.create(params=dict(classifier_params(), extra=jnp.ones(2)), tx=tx)
   with pytest.raises(ValueError, match=r"params tree changed structure(.|\n)*'extra'"):
     step(bigger, batch)
   state, metrics = step(state, batch)  # The original structures still work.
@@ -382,16 +352,16 @@ def test_orbax_checkpoint_resumes_bit_for_bit(tmp_path):
       init_scale=2.0**12,
       growth_interval=2,
   )
-  params = dict(make_params(), count=jnp.int32(2))
+  params = dict(classifier_params(), count=jnp.int32(2))
 
   def loss_fn(params, batch):
-    return mlp_loss({k: v for k, v in params.items() if k != "count"}, batch)
+    return classifier_loss({k: v for k, v in params.items() if k != "count"}, batch)
 
   def fresh():
     return jmp.TrainState.create(params=jax.tree.map(jnp.copy, params), tx=tx)
 
   step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
-  batches = [make_batch(seed=i) for i in range(6)]
+  batches = [classifier_batch(seed=i) for i in range(6)]
   batches[4] = poison(batches[4])
 
   state = fresh()
@@ -439,22 +409,22 @@ def _scaler():
 def test_misplaced_or_duplicated_scalers_are_refused(make_tx, where):
   tx = make_tx()
   with pytest.raises(ValueError, match=where + r".*Put the loss scaling outermost"):
-    jmp.TrainState.create(params=make_params(), tx=tx)
+    jmp.TrainState.create(params=classifier_params(), tx=tx)
   # A state built by hand is refused by the step, at trace time.
-  params = make_params()
+  params = classifier_params()
   state = jmp.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                          tx=tx)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"), donate=False)
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_float16"), donate=False)
   with pytest.raises(ValueError, match=r"Put the loss scaling outermost"):
-    step(state, make_batch())
+    step(state, classifier_batch())
 
 
 def test_plain_multisteps_keeps_the_steps_guard():
   # Without a scaler the step guards MultiSteps itself: a NaN micro-batch never
   # reaches the accumulator, and training continues.
-  state = jmp.TrainState.create(params=make_params(), tx=optax.MultiSteps(optax.adam(1e-2), 2))
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_bfloat16"))
-  batch = make_batch()
+  state = jmp.TrainState.create(params=classifier_params(), tx=optax.MultiSteps(optax.adam(1e-2), 2))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
+  batch = classifier_batch()
   finite = []
   for b in [batch, poison(batch), batch, batch, batch]:
     state, metrics = step(state, b)
@@ -467,19 +437,19 @@ def test_plain_multisteps_keeps_the_steps_guard():
 @pytest.mark.parametrize("tx", ["scaled", "plain"])
 def test_a_nan_loss_without_a_nan_gradient_skips(tx):
   def loss_fn(params, batch):
-    return mlp_loss(params, batch) + jax.lax.stop_gradient(batch["bad"])
+    return classifier_loss(params, batch) + jax.lax.stop_gradient(batch["bad"])
 
   tx = _scaler() if tx == "scaled" else optax.adam(1e-2)
-  state = jmp.TrainState.create(params=make_params(), tx=tx)
+  state = jmp.TrainState.create(params=classifier_params(), tx=tx)
   step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
   before = host(state)
-  state, metrics = step(state, dict(make_batch(), bad=jnp.float32(jnp.nan)))
+  state, metrics = step(state, dict(classifier_batch(), bad=jnp.float32(jnp.nan)))
   assert np.isnan(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
   assert not bool(metrics["grads_finite"])
   assert_bitwise_equal(state.params, before.params)
   inner = lambda s: s.inner_state if isinstance(s, jmp.LossScaleState) else s  # noqa: E731
   assert_bitwise_equal(inner(state.opt_state), inner(before.opt_state))
-  state, metrics = step(state, dict(make_batch(), bad=jnp.float32(0.0)))
+  state, metrics = step(state, dict(classifier_batch(), bad=jnp.float32(0.0)))
   assert bool(metrics["grads_finite"])
 
 
@@ -545,13 +515,13 @@ def test_donation_problems_are_named():
 
 
 def test_caller_arrays_survive_donating_steps():
-  params = make_params()
+  params = classifier_params()
   state = jmp.TrainState.create(params=params, tx=_scaler())
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_float16"))
   for _ in range(3):
-    state, _ = step(state, make_batch())
+    state, _ = step(state, classifier_batch())
   assert not any(x.is_deleted() for x in jax.tree.leaves(params))
-  np.testing.assert_array_equal(params["w1"], make_params()["w1"])
+  np.testing.assert_array_equal(params["w1"], classifier_params()["w1"])
 
 
 def test_python_and_weak_leaves_compile_once():
@@ -573,11 +543,11 @@ def test_python_and_weak_leaves_compile_once():
 
 
 def test_step_counter_saturates():
-  state = jmp.TrainState.create(params=make_params(), tx=optax.sgd(0.1))
+  state = jmp.TrainState.create(params=classifier_params(), tx=optax.sgd(0.1))
   state = state.replace(step=jnp.int32(2**31 - 2))
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("f32"))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("f32"))
   for _ in range(3):
-    state, _ = step(state, make_batch())
+    state, _ = step(state, classifier_batch())
   assert int(state.step) == 2**31 - 1
 
 
@@ -585,11 +555,11 @@ def test_extra_args_reach_the_transformation():
   # reduce_on_plateau reads optax's `value` extra arg: the step passes the loss.
   tx = jmp.dynamic_loss_scaling(optax.chain(
       optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)))
-  state = jmp.TrainState.create(params=make_params(), tx=tx)
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("mixed_float16"))
+  state = jmp.TrainState.create(params=classifier_params(), tx=tx)
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_float16"))
   losses = []
   for _ in range(3):
-    state, metrics = step(state, make_batch())
+    state, metrics = step(state, classifier_batch())
     losses.append(float(metrics["loss"]))
   plateau = state.opt_state.inner_state[1]
   assert float(plateau.best_value) == pytest.approx(min(losses), rel=1e-6)
@@ -601,10 +571,10 @@ def test_extra_args_reach_the_transformation():
     return updates, opt_state
 
   spy = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-  state = jmp.TrainState.create(params=make_params(), tx=optax.chain(optax.sgd(0.1), spy))
-  step = jmp.make_train_step(mlp_loss, jmp.get_policy("f32"), has_aux=False,
+  state = jmp.TrainState.create(params=classifier_params(), tx=optax.chain(optax.sgd(0.1), spy))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("f32"), has_aux=False,
                              extra_args=lambda loss, aux, batch: {"value": 2 * loss, "n": 7})
-  state, metrics = step(state, make_batch())
+  state, metrics = step(state, classifier_batch())
   assert set(seen) == {"value", "n"} and seen["n"] == 7
 
 
@@ -635,3 +605,108 @@ def test_complex_params_are_trained_like_plain_optax(policy):
   state, metrics = step(state, bad)
   assert not bool(metrics["grads_finite"])
   assert_bitwise_equal(state.params, before)
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+def test_train_state_rejects_non_transformation():
+  with pytest.raises(TypeError, match=r"tx must be an optax transformation, got"):
+    jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.adam)
+
+
+def test_make_train_step_rejects_bad_arguments():
+  with pytest.raises(TypeError, match=r"policy must be a jmp_lite.Policy, got 'mixed_float16'"):
+    jmp.make_train_step(lambda p, b: 0.0, "mixed_float16")
+  with pytest.raises(TypeError, match=r"loss_fn must be callable, got 3"):
+    jmp.make_train_step(3, jmp.get_policy("f32"))
+
+
+def _state():
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.full((2,), 0.1)}
+  return jmp.TrainState.create(params=params, tx=jmp.dynamic_loss_scaling(optax.sgd(0.1)))
+
+
+def _batch():
+  x = jnp.linspace(-2.0, 2.0, 12).reshape(4, 3)
+  return {"x": x, "y": jnp.cos(x[:, :2])}
+
+
+def _pred(params, batch):
+  return batch["x"] @ params["w"] + params["b"]
+
+
+BAD_LOSSES = {
+    "vector": (lambda p, b: (_pred(p, b) - b["y"]) ** 2, False),
+    "matrix-f16": (lambda p, b: ((_pred(p, b) - b["y"]) ** 2).astype(jnp.float16), False),
+    "integer": (lambda p, b: jnp.sum(_pred(p, b)).astype(jnp.int32), False),
+    "bool": (lambda p, b: jnp.sum(_pred(p, b)) > 0, False),
+    "complex": (lambda p, b: jnp.sum(_pred(p, b)).astype(jnp.complex64), False),
+    "tuple-without-has_aux": (lambda p, b: (jnp.sum(_pred(p, b)), {}), False),
+    "vector-with-aux": (lambda p, b: (_pred(p, b), {"n": 1}), True),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LOSSES))
+def test_non_scalar_or_non_float_loss(name):
+  loss_fn, has_aux = BAD_LOSSES[name]
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"), has_aux=has_aux, donate=False)
+  with pytest.raises((TypeError, ValueError), match=r"scalar"):
+    step(_state(), _batch())
+
+
+def test_has_aux_without_a_pair():
+  step = jmp.make_train_step(
+      lambda p, b: jnp.mean(_pred(p, b)), jmp.get_policy("f32"), has_aux=True, donate=False
+  )
+  with pytest.raises(TypeError, match=r"has_aux=True .*\(loss, aux\) pair"):
+    step(_state(), _batch())
+
+
+def _loss(params, batch):
+  return jnp.mean((_pred(params, batch).astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def test_batch_structure_change_between_calls():
+  step = jmp.make_train_step(_loss, jmp.get_policy("mixed_float16"), donate=False)
+  state, _ = step(_state(), _batch())
+  bad = dict(_batch(), extra=jnp.ones(3))
+  with pytest.raises(ValueError, match=r"(?s)batch tree changed structure.*expected.*received"):
+    step(state, bad)
+  with pytest.raises(ValueError, match=r"batch tree changed structure"):
+    step(state, [_batch()["x"], _batch()["y"]])
+  # The step still works with the original structure.
+  state, metrics = step(state, _batch())
+  assert bool(metrics["grads_finite"])
+
+
+def test_params_structure_change_between_calls():
+  step = jmp.make_train_step(_loss, jmp.get_policy("mixed_float16"), donate=False)
+  state, _ = step(_state(), _batch())
+  extra = dict(state.params, extra=jnp.ones(2))
+  with pytest.raises(ValueError, match=r"(?s)params tree changed structure.*expected.*received"):
+    step(state.replace(params=extra), _batch())
+
+
+def test_train_step_rejects_a_non_train_state():
+  step = jmp.make_train_step(_loss, jmp.get_policy("f32"), donate=False)
+  with pytest.raises(TypeError, match=r"state must be a jmp_lite.TrainState.*got dict"):
+    step({"params": _state().params}, _batch())
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: jmp.make_train_step(lambda p, b: 0.0, jmp.get_policy("f32"), donate="no"),
+     r"donate must be True or False, got 'no'"),
+    (lambda: jmp.make_train_step(lambda p, b: 0.0, jmp.get_policy("f32"), has_aux=1),
+     r"has_aux must be True or False, got 1"),
+])
+def test_make_train_step_rejects_non_bool_flags(make, match):
+  with pytest.raises(TypeError, match=match):
+    make()
+
+
+def test_a_pair_without_has_aux_suggests_has_aux():
+  step = jmp.make_train_step(lambda p, b: (jnp.sum(p["w"]), 1), jmp.get_policy("f32"))
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"it returned a pair.*has_aux=True"):
+    step(state, {})

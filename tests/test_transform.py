@@ -1,6 +1,7 @@
 """Tests for jmp_lite's optax loss-scaling transformations (issue 3)."""
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -19,23 +20,13 @@ from hypothesis import strategies as st
 
 import jmp_lite as jmp
 from jmp_lite._src import transform
+from conftest import assert_bitwise_equal
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 F32_MAX = float(np.finfo(np.float32).max)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def assert_bitwise_equal(a, b):
-  """Same tree structure and, leaf by leaf, the same dtype, shape and bytes."""
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  assert tree_a == tree_b
-  for x, y in zip(leaves_a, leaves_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert (x.dtype, x.shape) == (y.dtype, y.shape)
-    assert x.tobytes() == y.tobytes(), (x, y)
 
 
 def assert_trees_close(a, b, rtol=1e-6):
@@ -124,13 +115,8 @@ class GradScalerModel:
       self.tracker = 0
 
 
-def run_pattern(tx, pattern, jit):
-  """Feeds ``tx`` gradients of the scaled loss, non-finite where ``pattern`` is True.
-
-  Returns the loss scale and growth count after every step (numpy arrays).
-  Under ``jit`` the whole pattern runs in one ``lax.scan``.
-  """
-  params = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
+def _pattern_step(tx):
+  """One step of ``run_pattern``: ``(params, state), bad -> carry, (scale, growth count)``."""
   true_grads = {"w": jnp.array([0.25, -0.5, 1.0], jnp.float32)}
 
   def step(carry, bad):
@@ -140,11 +126,28 @@ def run_pattern(tx, pattern, jit):
     updates, state = tx.update(scaled, state, params)
     return (optax.apply_updates(params, updates), state), (state.loss_scale, state.growth_count)
 
+  return step
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_scan(tx):
+  """The whole pattern in one jitted ``lax.scan``, compiled once per ``tx`` and pattern length."""
+  return jax.jit(lambda carry, pattern: jax.lax.scan(_pattern_step(tx), carry, pattern))
+
+
+def run_pattern(tx, pattern, jit):
+  """Feeds ``tx`` gradients of the scaled loss, non-finite where ``pattern`` is True.
+
+  Returns the loss scale and growth count after every step (numpy arrays).
+  Under ``jit`` the whole pattern runs in one ``lax.scan``.
+  """
+  params = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32)}
   state = tx.init(params)
   pattern = np.asarray(pattern, bool)
   if jit:
-    _, (scales, counts) = jax.jit(lambda c, p: jax.lax.scan(step, c, p))((params, state), pattern)
+    _, (scales, counts) = _pattern_scan(tx)((params, state), pattern)
     return np.asarray(scales), np.asarray(counts)
+  step = _pattern_step(tx)
   scales, counts = [], []
   carry = (params, state)
   for bad in pattern:
@@ -168,7 +171,8 @@ def model_scales(model, pattern):
 PATTERN_LEN = 48
 # Factors exactly representable in float32, so GradScaler's double-precision
 # multiply rounds to the same float32 as jmp_lite's float32 multiply.
-# A small config space, so that the jitted runners (one per config) are reused.
+# A small config space, so that the jitted runners (one per config) are reused:
+# _jitted_runner keeps one tx per config and _pattern_scan one compilation per tx.
 _CONFIGS = st.tuples(
     st.sampled_from([2.0**15, 3.0 * 2.0**8]),
     st.sampled_from([2.0, 1.5]),
@@ -814,6 +818,7 @@ _SHARDED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sharded_step_skips_on_every_device_together():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
@@ -824,3 +829,60 @@ def test_sharded_step_skips_on_every_device_together():
   )
   assert result.returncode == 0, result.stdout + result.stderr
   assert "SHARDED-OK" in result.stdout
+
+
+# ------------------------------------------- bad input: messages name the value and what is allowed
+
+
+BAD_SCALER_CONFIGS = [
+    (dict(init_scale=0.0), ValueError, r"init_scale must be finite and > 0.*got 0\.0"),
+    (dict(init_scale=-4.0), ValueError, r"init_scale must be finite and > 0.*got -4\.0"),
+    (dict(init_scale=math.inf), ValueError, r"init_scale must be finite and > 0.*got inf"),
+    (dict(init_scale=math.nan), ValueError, r"init_scale must be finite and > 0.*got nan"),
+    (dict(init_scale="big"), TypeError, r"init_scale must be a real number, got 'big'"),
+    (dict(growth_factor=1.0), ValueError, r"growth_factor must be finite and > 1, got 1\.0"),
+    (dict(growth_factor=0.5), ValueError, r"growth_factor must be finite and > 1, got 0\.5"),
+    (dict(growth_factor=math.nan), ValueError, r"growth_factor must be finite and > 1, got nan"),
+    (dict(growth_factor=math.inf), ValueError, r"growth_factor must be finite and > 1, got inf"),
+    (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in the open interval \(0, 1\), got 0\.0"),
+    (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in the open interval \(0, 1\), got 1\.0"),
+    (dict(backoff_factor=2.0), ValueError, r"backoff_factor .*\(0, 1\), got 2\.0"),
+    (dict(backoff_factor=-0.5), ValueError, r"backoff_factor .*\(0, 1\), got -0\.5"),
+    (dict(backoff_factor=math.nan), ValueError, r"backoff_factor .*\(0, 1\), got nan"),
+    (dict(growth_interval=0), ValueError, r"growth_interval must be .*1.*got 0"),
+    (dict(growth_interval=-3), ValueError, r"growth_interval must be .*1.*got -3"),
+    (dict(growth_interval=2.5), TypeError, r"growth_interval must be an int >= 1, got 2\.5"),
+    (dict(growth_interval=True), TypeError, r"growth_interval must be an int >= 1, got True"),
+    (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError,
+     r"min_scale must be <= max_scale, got min_scale=8\.0 > max_scale=4\.0"),
+    (dict(min_scale=0.0), ValueError, r"min_scale must be finite and > 0.*got 0\.0"),
+    (dict(max_scale=math.nan), ValueError, r"max_scale .*got nan"),
+    (dict(init_scale=2.0**30), ValueError, r"init_scale must be in \[min_scale, max_scale\].*got 1073741824\.0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_SCALER_CONFIGS, ids=[str(c[0]) for c in BAD_SCALER_CONFIGS])
+def test_bad_scaler_configs(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp.dynamic_loss_scaling(optax.adam(1e-3), **kwargs)
+
+
+@pytest.mark.parametrize("scale,exc,match", [
+    (0.0, ValueError, r"scale must be finite and > 0.*got 0\.0"),
+    (-1.0, ValueError, r"scale must be finite and > 0.*got -1\.0"),
+    (math.inf, ValueError, r"scale must be finite and > 0.*got inf"),
+    (math.nan, ValueError, r"scale must be finite and > 0.*got nan"),
+    ("x", TypeError, r"scale must be a real number, got 'x'"),
+])
+def test_bad_static_scale(scale, exc, match):
+  with pytest.raises(exc, match=match):
+    jmp.static_loss_scaling(optax.adam(1e-3), scale)
+
+
+@pytest.mark.parametrize("inner", [optax.adam, "adam", None, (optax.sgd(0.1),)],
+                         ids=["uncalled-factory", "string", "None", "tuple"])
+def test_non_transformation_inner(inner):
+  with pytest.raises(TypeError, match=r"inner must be an optax transformation .*got"):
+    jmp.dynamic_loss_scaling(inner)
+  with pytest.raises(TypeError, match=r"inner must be an optax transformation"):
+    jmp.static_loss_scaling(inner, 2.0)
