@@ -583,3 +583,11 @@ def test_get_policy_fuzz_returns_a_policy_or_raises_value_error(text):
   else:
     assert isinstance(policy, jmp_lite.Policy)
     assert jmp_lite.get_policy(str(policy)) == policy
+
+
+@pytest.mark.parametrize("name", ["A", "a", "p=a", "c=f32,o=a"])
+def test_numpy_deprecated_alias_is_a_value_error_not_a_warning(name):
+  # numpy 2 warns for the alias "a"; with warnings as errors (this project's
+  # pytest config, and any user's -W error) that warning escaped get_policy.
+  with pytest.raises(ValueError, match="Unknown dtype"):
+    jmp_lite.get_policy(name)

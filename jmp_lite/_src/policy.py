@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import warnings
 from typing import Any, Callable, Iterable, TypeVar, Union
 
 import jax
@@ -238,7 +239,11 @@ def _parse_dtype(name: str, context: str) -> np.dtype:
   # accepted.
   if re.fullmatch(r"[a-z][a-z0-9_]*", key):
     try:
-      d = jnp.dtype(key)
+      # numpy warns for deprecated aliases ("a" is bytes); any such name is
+      # refused below, so the warning is noise to the user.
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = jnp.dtype(key)
     except (TypeError, ValueError, SyntaxError):
       d = None
     if d is not None and d.name == key and _is_jax_float(d):
