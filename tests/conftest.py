@@ -2,9 +2,13 @@
 
 ``maybe_jit`` runs numeric checks both eagerly and under ``jax.jit``. The plain
 functions below are imported by the test modules (``from conftest import ...``):
-the bit-for-bit tree comparison, and the two small MLP problems that several
-modules train.
+the bit-for-bit tree comparison, the two small MLP problems that several
+modules train, and plain-Python reference models of the two loss-scale schedules
+(torch's GradScaler and jmp's ``DynamicLossScale.adjust``). The models are
+written from the reference semantics, never from jmp_lite's own rule.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +97,94 @@ def regression_loss(params, batch):
   if "poison" in batch:
     loss = loss * batch["poison"].astype(jnp.float32)
   return loss
+
+
+# ------------------------------------------- reference models of the scale schedules
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def gradscaler_model(pattern, init_scale, growth_factor, backoff_factor, growth_interval,
+                     min_scale=0.0, max_scale=math.inf):
+  """torch.amp.GradScaler's scale update rule plus a floor and a cap, in float32.
+
+  GradScaler keeps the scale as a float32 tensor; ``update(found_inf)`` does::
+
+    if found_inf: scale *= backoff_factor; tracker = 0
+    else:
+      tracker += 1
+      if tracker == growth_interval:
+        if isfinite(scale * growth_factor): scale *= growth_factor
+        tracker = 0
+
+  jmp_lite adds ``scale = max(scale, min_scale)`` after a backoff and
+  ``scale = min(scale, max_scale)`` after a growth, saturates the tracker at
+  int32 max, and counts skipped steps (all, and the current run).
+
+  Args:
+    pattern: one bool per step, True where the gradients are finite.
+    init_scale, growth_factor, backoff_factor, growth_interval: GradScaler's.
+    min_scale, max_scale: the floor and the cap (a cap above float32 max is none).
+
+  Returns:
+    ``(used, after)``: the scale used on each step, and after each step the
+    tuple ``(scale, tracker, skipped, consecutive_skips)``.
+  """
+  f32 = np.float32
+  scale, tracker, skipped, consecutive = f32(init_scale), 0, 0, 0
+  lo = f32(min_scale)
+  hi = f32(max_scale) if max_scale <= _F32_MAX else f32(np.inf)
+  used, after = [], []
+  for finite in pattern:
+    used.append(scale)
+    with np.errstate(over="ignore"):
+      if finite:
+        tracker = min(tracker + 1, _INT32_MAX)
+        consecutive = 0
+        if tracker >= growth_interval:
+          grown = scale * f32(growth_factor)
+          scale = min(grown if np.isfinite(grown) else scale, hi)
+          tracker = 0
+      else:
+        scale = max(scale * f32(backoff_factor), lo)
+        tracker = 0
+        skipped += 1
+        consecutive += 1
+    after.append((scale, tracker, skipped, consecutive))
+  return used, after
+
+
+def jmp_adjust_model(pattern, scale, period, factor, floor, dtype=np.float32):
+  """jmp's ``DynamicLossScale.adjust`` rule from a zero counter, in the scale's dtype::
+
+    if finite:
+      if counter == period - 1: scale *= factor (unless that overflows); counter = 0
+      else: counter += 1
+    else: scale = max(floor, scale / factor); counter = 0
+
+  Args:
+    pattern: one bool per ``adjust`` call, True where the gradients are finite.
+    scale, period, factor, floor: the loss scale's; ``floor`` is ``min_loss_scale``.
+    dtype: the dtype the scale is kept in.
+
+  Returns:
+    ``(scale, counter)`` after each call.
+  """
+  dtype = np.dtype(dtype)
+  scale, factor, floor = dtype.type(scale), dtype.type(factor), dtype.type(floor)
+  counter, out = 0, []
+  for finite in pattern:
+    with np.errstate(over="ignore"):
+      if finite:
+        if counter == period - 1:
+          grown = scale * factor
+          scale = grown if np.isfinite(grown) else scale
+          counter = 0
+        else:
+          counter += 1
+      else:
+        scale = max(floor, scale / factor)
+        counter = 0
+    out.append((scale, counter))
+  return out

@@ -12,18 +12,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
-
-
-def _model_adjust(scale, counter, finite, period, factor, floor):
-  """A plain-Python model of jmp's DynamicLossScale.adjust, in float32 arithmetic."""
-  scale, factor, floor = np.float32(scale), np.float32(factor), np.float32(floor)
-  if finite:
-    if counter == period - 1:
-      with np.errstate(over="ignore"):
-        grown = scale * factor
-      return (grown if np.isfinite(grown) else scale), 0
-    return scale, counter + 1
-  return max(floor, scale / factor), 0
+from conftest import jmp_adjust_model
 
 
 # ---------------------------------------------------------------- NoOp / Static
@@ -161,22 +150,11 @@ def test_adjust_matches_python_model(finites, period, factor, log_init, log_floo
   floor = 2.0**log_floor
   ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**log_init), period=period, factor=factor,
                                  min_loss_scale=jnp.float32(floor))
-  scale, counter = 2.0**log_init, 0
   scales, counters = _adjust_sequence(ls, jnp.array(finites))
-  for i, finite in enumerate(finites):
-    scale, counter = _model_adjust(scale, counter, finite, period, factor, floor)
+  model = jmp_adjust_model(finites, 2.0**log_init, period, factor, floor)
+  for i, (scale, counter) in enumerate(model):
     assert float(scales[i]) == float(scale), (i, finites[: i + 1])
     assert int(counters[i]) == counter
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(period=0), "period must be an int >= 1"),
-    (dict(factor=1), "factor must be finite and > 1"),
-    (dict(factor=0.5), "factor must be finite and > 1"),
-])
-def test_dynamic_rejects_bad_config(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    jmp_lite.DynamicLossScale(jnp.float32(1.0), **kwargs)
 
 
 def test_dynamic_is_frozen_dataclass():

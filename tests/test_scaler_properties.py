@@ -14,9 +14,10 @@ import numpy as np
 import optax
 
 import jmp_lite as jmp
+from conftest import gradscaler_model
+from conftest import jmp_adjust_model
 
 F32_MAX = float(np.finfo(np.float32).max)
-INT32_MAX = int(np.iinfo(np.int32).max)
 PATTERN_LEN = 48
 N_PATTERNS = 6
 
@@ -30,35 +31,6 @@ SETTINGS = hypothesis.settings(
 )
 
 # ----------------------------------------------------------- dynamic_loss_scaling
-
-
-def gradscaler_model(pattern, init_scale, growth_factor, backoff_factor, interval, lo, hi):
-  """torch.amp.GradScaler's update rule plus a floor and a cap, in float32 arithmetic.
-
-  Returns the scale used on each step and the state after each step.
-  """
-  f32 = np.float32
-  scale, count, skipped, consecutive = f32(init_scale), 0, 0, 0
-  lo = f32(lo)
-  hi = f32(hi) if hi <= F32_MAX else f32(np.inf)
-  used, after = [], []
-  for finite in pattern:
-    used.append(scale)
-    with np.errstate(over="ignore"):
-      if finite:
-        count = min(count + 1, INT32_MAX)
-        consecutive = 0
-        if count >= interval:
-          grown = scale * f32(growth_factor)
-          scale = min(grown if np.isfinite(grown) else scale, hi)
-          count = 0
-      else:
-        scale = max(scale * f32(backoff_factor), lo)
-        count = 0
-        skipped += 1
-        consecutive += 1
-    after.append((scale, count, skipped, consecutive))
-  return used, after
 
 
 @st.composite
@@ -169,27 +141,6 @@ def test_static_loss_scaling_never_changes_and_counts_skips(scale, patterns, see
 # ------------------------------------------------------ DynamicLossScale.adjust
 
 
-def jmp_model(pattern, scale, period, factor, floor, dtype):
-  """jmp's DynamicLossScale.adjust rule, in the scale's dtype."""
-  dtype = np.dtype(dtype)
-  scale, factor, floor = dtype.type(scale), dtype.type(factor), dtype.type(floor)
-  counter, out = 0, []
-  for finite in pattern:
-    with np.errstate(over="ignore"):
-      if finite:
-        if counter == period - 1:
-          grown = scale * factor
-          scale = grown if np.isfinite(grown) else scale
-          counter = 0
-        else:
-          counter += 1
-      else:
-        scale = max(floor, scale / factor)
-        counter = 0
-    out.append((scale, counter))
-  return out
-
-
 @SETTINGS
 @hypothesis.given(
     dtype=st.sampled_from([np.float32, np.float16]),
@@ -219,7 +170,7 @@ def test_dynamic_loss_scale_adjust_matches_jmp_model(dtype, period, factor, log_
   exact = math.log2(factor).is_integer()
   rtol = 0 if exact else PATTERN_LEN * float(jnp.finfo(dtype).eps)
   for i, pattern in enumerate(patterns):
-    model = jmp_model(pattern, 2.0**log_scale, period, factor, floor, dtype)
+    model = jmp_adjust_model(pattern, 2.0**log_scale, period, factor, floor, dtype)
     np.testing.assert_allclose(scales[i], np.array([s for s, _ in model], dtype), rtol=rtol, atol=0)
     np.testing.assert_array_equal(counters[i], np.array([c for _, c in model]))
     assert np.isfinite(scales[i]).all()  # growth never overflows to inf

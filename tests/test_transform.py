@@ -3,6 +3,7 @@
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 import jmp_lite as jmp
 from jmp_lite._src import transform
 from conftest import assert_bitwise_equal
+from conftest import gradscaler_model
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 F32_MAX = float(np.finfo(np.float32).max)
@@ -71,50 +73,6 @@ def counts_in(state):
   return [int(c) for _, c in optax.tree_utils.tree_get_all_with_path(state, "count")]
 
 
-class GradScalerModel:
-  """torch.amp.GradScaler's scale update rule, in plain Python.
-
-  GradScaler keeps the scale as a float32 tensor and the growth tracker as an
-  int; ``update(found_inf)`` does::
-
-    if found_inf: scale *= backoff_factor; tracker = 0
-    else:
-      tracker += 1
-      if tracker == growth_interval:
-        if isfinite(scale * growth_factor): scale *= growth_factor
-        tracker = 0
-
-  ``min_scale`` / ``max_scale`` add jmp_lite's floor and cap (None: none).
-  """
-
-  def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval,
-               min_scale=None, max_scale=None):
-    self.scale = np.float32(init_scale)
-    self.tracker = 0
-    self.growth_factor = growth_factor
-    self.backoff_factor = backoff_factor
-    self.growth_interval = growth_interval
-    self.min_scale = min_scale
-    self.max_scale = max_scale
-
-  def update(self, found_inf):
-    if found_inf:
-      new = float(self.scale) * self.backoff_factor
-      if self.min_scale is not None:
-        new = max(new, self.min_scale)
-      self.scale = np.float32(new)
-      self.tracker = 0
-      return
-    self.tracker += 1
-    if self.tracker == self.growth_interval:
-      new = float(self.scale) * self.growth_factor
-      if new <= F32_MAX:
-        self.scale = np.float32(new)
-      if self.max_scale is not None:
-        self.scale = np.float32(min(float(self.scale), self.max_scale))
-      self.tracker = 0
-
-
 def _pattern_step(tx):
   """One step of ``run_pattern``: ``(params, state), bad -> carry, (scale, growth count)``."""
   true_grads = {"w": jnp.array([0.25, -0.5, 1.0], jnp.float32)}
@@ -157,20 +115,20 @@ def run_pattern(tx, pattern, jit):
   return np.asarray(scales), np.asarray(counts)
 
 
-def model_scales(model, pattern):
-  scales, trackers = [], []
-  for bad in pattern:
-    model.update(bool(bad))
-    scales.append(model.scale)
-    trackers.append(model.tracker)
-  return np.asarray(scales, np.float32), np.asarray(trackers)
+def model_scales(pattern, config, **floor_and_cap):
+  """``gradscaler_model`` on a ``run_pattern`` pattern (True: non-finite).
+
+  Returns the scale and growth count after every step, like ``run_pattern``.
+  """
+  _, after = gradscaler_model([not bad for bad in pattern], *config, **floor_and_cap)
+  return np.float32([a[0] for a in after]), np.array([a[1] for a in after])
 
 
 # ------------------------------------------------------- schedule against GradScaler
 
 PATTERN_LEN = 48
 # Factors exactly representable in float32, so GradScaler's double-precision
-# multiply rounds to the same float32 as jmp_lite's float32 multiply.
+# multiply rounds to the same float32 as the float32 model (and jmp_lite).
 # A small config space, so that the jitted runners (one per config) are reused:
 # _jitted_runner keeps one tx per config and _pattern_scan one compilation per tx.
 _CONFIGS = st.tuples(
@@ -202,7 +160,7 @@ def test_scale_sequence_equals_grad_scaler(config, pattern):
   # Floor and cap out of reach: 48 backoffs by 1/2 or growths by 2 stay inside.
   min_scale, max_scale = 2.0**-120, 2.0**120
   scales, counts = _jitted_runner(config, min_scale, max_scale)(pattern)
-  expected, trackers = model_scales(GradScalerModel(*config), pattern)
+  expected, trackers = model_scales(pattern, config)
   assert min_scale < expected.min() and expected.max() < max_scale  # really out of reach
   np.testing.assert_array_equal(scales, expected)
   np.testing.assert_array_equal(counts, trackers)
@@ -217,8 +175,7 @@ def test_scale_sequence_with_floor_and_cap_in_reach(config, pattern):
   init_scale = config[0]
   min_scale, max_scale = init_scale / 4, init_scale * 4
   scales, counts = _jitted_runner(config, min_scale, max_scale)(pattern)
-  model = GradScalerModel(*config, min_scale=min_scale, max_scale=max_scale)
-  expected, trackers = model_scales(model, pattern)
+  expected, trackers = model_scales(pattern, config, min_scale=min_scale, max_scale=max_scale)
   np.testing.assert_array_equal(scales, expected)
   np.testing.assert_array_equal(counts, trackers)
   assert ((min_scale <= scales) & (scales <= max_scale)).all()
@@ -236,7 +193,7 @@ def test_scale_sequence_fixed_pattern(jit):
       growth_interval=2, min_scale=2.0, max_scale=32.0,
   )
   scales, counts = run_pattern(tx, pattern, jit)
-  model, trackers = model_scales(GradScalerModel(*config, min_scale=2.0, max_scale=32.0), pattern)
+  model, trackers = model_scales(pattern, config, min_scale=2.0, max_scale=32.0)
   np.testing.assert_array_equal(model, np.float32(expected))  # the model itself
   np.testing.assert_array_equal(scales, model)
   np.testing.assert_array_equal(counts, trackers)
@@ -431,14 +388,6 @@ def test_good_config_edge_values_are_accepted():
   # A scalar array init_scale is taken as its value.
   state = jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=jnp.float32(8.0)).init(params)
   assert float(state.loss_scale) == 8.0 and state.loss_scale.dtype == jnp.float32
-
-
-@pytest.mark.parametrize("inner", [None, optax.sgd, "adam", 3.0, (lambda p: p, None)])
-def test_non_transformation_inner_raises_type_error(inner):
-  with pytest.raises(TypeError, match="inner must be an optax transformation"):
-    jmp.dynamic_loss_scaling(inner)
-  with pytest.raises(TypeError, match="inner must be an optax transformation"):
-    jmp.static_loss_scaling(inner, 2.0)
 
 
 # ------------------------------------------------------------------------ state
@@ -879,10 +828,14 @@ def test_bad_static_scale(scale, exc, match):
     jmp.static_loss_scaling(optax.adam(1e-3), scale)
 
 
-@pytest.mark.parametrize("inner", [optax.adam, "adam", None, (optax.sgd(0.1),)],
-                         ids=["uncalled-factory", "string", "None", "tuple"])
+@pytest.mark.parametrize(
+    "inner",
+    [optax.adam, optax.sgd, "adam", None, 3.0, (optax.sgd(0.1),), (lambda p: p, None)],
+    ids=["uncalled-adam", "uncalled-sgd", "string", "None", "float", "tuple", "pair-of-functions"],
+)
 def test_non_transformation_inner(inner):
-  with pytest.raises(TypeError, match=r"inner must be an optax transformation .*got"):
+  match = rf"inner must be an optax transformation .*got {re.escape(repr(inner))}"
+  with pytest.raises(TypeError, match=match):
     jmp.dynamic_loss_scaling(inner)
-  with pytest.raises(TypeError, match=r"inner must be an optax transformation"):
+  with pytest.raises(TypeError, match=match):
     jmp.static_loss_scaling(inner, 2.0)
