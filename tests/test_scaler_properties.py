@@ -146,11 +146,14 @@ def test_static_loss_scaling_never_changes_and_counts_skips(scale, patterns, see
     dtype=st.sampled_from([np.float32, np.float16]),
     period=st.integers(1, 6),
     factor=st.sampled_from([2.0, 4.0, 8.0, 1.5, 3.0, 10.0]) | st.floats(1.01, 8.0),
-    log_scale=st.integers(0, 15),
-    floor=st.sampled_from([1.0, 0.5, 4.0, 2.0**-10]),
+    # Starts below 1, below the floor, and (float32) far above float16's range.
+    log_scale=st.integers(-2, 20),
+    floor=st.sampled_from([2.0**-10, 2.0**-4, 0.5, 1.0, 4.0, 16.0]),
     patterns=overflow_patterns(),
 )
 def test_dynamic_loss_scale_adjust_matches_jmp_model(dtype, period, factor, log_scale, floor, patterns):
+  if dtype == np.float16:
+    log_scale = min(log_scale, 15)  # 2**15 is float16's largest power of two.
   init = jmp.DynamicLossScale(
       jnp.asarray(2.0**log_scale, dtype), period=period, factor=factor,
       min_loss_scale=jnp.asarray(floor, dtype),
