@@ -106,3 +106,41 @@ def test_guarded_update_applies_or_passes_through(apply, bad):
     # Bit for bit: -0.0 stays -0.0, and Adam's state does not move.
     assert_bitwise_equal(new_params["w"], params["w"])
     assert_bitwise_equal(guard.state, state)
+
+
+def _leaf_sized_multiplies(fn, *args):
+  """Multiplications in ``fn``'s jaxpr whose output is not a scalar."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return [e for e in jaxpr.eqns if e.primitive.name == "mul" and e.outvars[0].aval.shape != ()]
+
+
+def test_float16_gradients_are_unscaled_after_the_sum():
+  # Issue 13 (memory): multiplying every element by 1/scale before squaring made
+  # XLA:CPU write an unscaled float32 copy of each large float16 gradient (4 MiB
+  # per 1024x1024 kernel, MLP temp 27.6 MiB against 22.5 without scaling). float16
+  # squares cannot overflow a float32 sum, so the scale now multiplies the sum.
+  inv = jnp.float32(2.0**-15)
+  f16 = {"w": jnp.ones((64, 64), jnp.float16), "b": jnp.ones(8, jnp.float16)}
+  assert _leaf_sized_multiplies(skip.unscaled_sumsq, f16, inv) == []
+  # bfloat16 and float32 squares can overflow before unscaling: they keep the
+  # per-element unscale (one multiply over the concatenated small leaves).
+  for dtype in (jnp.bfloat16, jnp.float32):
+    wide = jax.tree.map(lambda g: g.astype(dtype), f16)
+    assert len(_leaf_sized_multiplies(skip.unscaled_sumsq, wide, inv)) == 1
+
+
+@pytest.mark.parametrize("scale", [2.0**15, 3.0, 2.0**70])
+def test_float16_sum_after_unscaling_matches_a_float64_reference(scale):
+  g = jax.random.normal(jax.random.key(0), (300, 70)) * 300.0  # Up to ~1e3 in float16.
+  grads = {"big": g.astype(jnp.float16), "small": (g[:3, :5] * 1e-3).astype(jnp.float16)}
+  inv = jnp.float32(1.0 / scale)
+  expected = sum(float(np.sum((np.asarray(v, np.float64) * np.float64(inv)) ** 2))
+                 for v in grads.values())
+  for fn in (skip.unscaled_sumsq, jax.jit(skip.unscaled_sumsq)):
+    assert float(fn(grads, inv)) == pytest.approx(expected, rel=1e-5)
+  # The largest float16 squares still sum finitely; a non-finite leaf is still caught.
+  top = {"w": jnp.full((1024, 1024), 65504.0, jnp.float16)}
+  assert np.isfinite(float(skip.unscaled_sumsq(top, inv)))
+  for bad in (jnp.inf, jnp.nan):
+    poisoned = {**grads, "big": grads["big"].at[7, 3].set(bad)}
+    assert not np.isfinite(float(skip.unscaled_sumsq(poisoned, inv)))

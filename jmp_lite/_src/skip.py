@@ -13,7 +13,7 @@ loss, passed as optax's extra arg) skips too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +106,23 @@ def unscale(
 FUSE_MAX_ELEMENTS = 1 << 14
 
 
+def _squares_fit(dtype: Any, size: int, acc: np.dtype) -> bool:
+  """Whether ``size`` squares of ``dtype``'s largest finite value sum finitely in ``acc``.
+
+  True for float16 (65504**2 is about 4.3e9) and float8 leaves, False for
+  bfloat16, float32, float64 and complex leaves, whose squares can overflow.
+
+  Examples:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> _squares_fit(jnp.float16, 10**9, np.dtype(np.float32))
+    True
+    >>> _squares_fit(jnp.bfloat16, 1, np.dtype(np.float32))
+    False
+  """
+  biggest = float(np.abs(jnp.finfo(dtype).max))
+  return biggest * biggest * max(size, 1) < float(jnp.finfo(acc).max) / 2
+
+
 def unscaled_sumsq(
     grads: optax.Updates, inv_scale: jax.Array | None, params: optax.Params | None = None
 ) -> jax.Array:
@@ -121,6 +138,11 @@ def unscaled_sumsq(
   only large leaves get a reduction each. With several devices every leaf is
   reduced where it lives (a concatenation would gather sharded leaves), which
   XLA:GPU fuses horizontally.
+
+  Leaves whose squares cannot overflow the accumulator (float16, float8) are
+  squared and summed before unscaling, and the sum is multiplied by
+  ``inv_scale`` twice: the same value up to rounding (exactly, for a power-of-two
+  scale) and the same finiteness, without an unscaled wide copy of each leaf.
   """
   pairs = [(g, _wide(g.dtype, p)) for g, p in _with_params(grads, params)
            if tree_utils.is_inexact_array(g)]
@@ -128,9 +150,19 @@ def unscaled_sumsq(
                  else jnp.float32)
 
   def sumsq(x: jax.Array, wide: np.dtype) -> jax.Array:
-    x = _times_inv(x.astype(wide), inv_scale)
+    # Where no sum of squares of the leaf's dtype can overflow the accumulator
+    # (float16 and float8 gradients), the scale is taken out of the sum:
+    # sum((g / s)**2) = (sum(g**2) / s) / s. The finiteness decision is the
+    # same, and XLA reads the gradients straight into the reduction instead of
+    # materialising an unscaled wide copy of each large leaf first.
+    factor = inv_scale is not None and _squares_fit(x.dtype, x.size, acc)
+    x = x.astype(wide) if factor else _times_inv(x.astype(wide), inv_scale)
     sq = jnp.square(jnp.abs(x)) if jnp.iscomplexobj(x) else jnp.square(x)
-    return jnp.sum(sq).astype(acc)
+    total = jnp.sum(sq).astype(acc)
+    if factor:
+      inv = cast(jax.Array, inv_scale).astype(acc)
+      total = (total * inv) * inv
+    return total
 
   # Small leaves are concatenated in their own dtype (often half the bytes of
   # the wide one) and widened after the concatenation.
