@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 import jmp_lite as jmp
+from benchmarks import measure
 from benchmarks import models
 from benchmarks import report
 
@@ -109,17 +110,6 @@ def state_bytes(state: Any) -> int:
   return total
 
 
-def memory(compiled: Any) -> dict[str, int | None]:
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - some backends do not implement it.
-    m = None
-  if m is None:
-    return dict(argument=None, output=None, alias=None, temp=None)
-  return dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
-              alias=int(m.alias_size_in_bytes), temp=int(m.temp_size_in_bytes))
-
-
 @dataclasses.dataclass
 class Live:
   """A compiled variant and its current (donated, chained) state."""
@@ -138,7 +128,7 @@ def prepare(variant: Variant, problem: models.Problem, warmup: int) -> Live:
   t0 = time.perf_counter()
   compiled = step.lower(state, problem.batch).compile()
   compile_s = time.perf_counter() - t0
-  mem = memory(compiled)
+  mem = measure.memory_bytes(compiled)
   record = dict(
       name=variant.name, master_dtype=np.dtype(variant.master_dtype).name,
       rounding=variant.rounding, mu_bf16=variant.mu_bf16, params=n,
@@ -326,13 +316,6 @@ def markdown(payload: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def machine_name(device: Any) -> str:
-  if device.platform == "cpu":
-    return f"cpu-{platform.machine()}"
-  kind = "".join(c if c.isalnum() else "-" for c in device.device_kind.lower())
-  return "-".join(p for p in kind.split("-") if p)
-
-
 # --------------------------------------------------------------------------- #
 # Command line
 # --------------------------------------------------------------------------- #
@@ -421,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       results=results, bars=bars, float16_evidence=evidence)
   text = markdown(payload)
   print("\n" + text)
-  stem = out / f"masters-{machine_name(device)}-{payload['meta']['date']}"
+  stem = out / f"masters-{report.machine_name(device)}-{payload['meta']['date']}"
   stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
   stem.with_suffix(".md").write_text(text)
   print(f"wrote {stem}.json and {stem}.md")
