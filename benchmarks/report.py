@@ -199,6 +199,8 @@ def meta(command: str, device: Any, **extra: Any) -> dict[str, Any]:
       device_kind=device.device_kind,
       device_memory_stats_reported=device.memory_stats() is not None,
       cpu_count=os.cpu_count(),
+      # Fewer than cpu_count under ``taskset``; what XLA:CPU may actually use.
+      usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
       machine=platform.machine(),
       processor=platform.processor(),
       python=platform.python_version(),

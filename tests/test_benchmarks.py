@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from benchmarks import autocast
+from benchmarks import cpu_profile
 from benchmarks import measure
 from benchmarks import models
 from benchmarks import overhead_study
@@ -327,3 +328,48 @@ def test_autocast_benchmark_smoke(tmp_path):
   _assert_smoke_output(proc, files, bar_count=3)
   assert proc.stdout.startswith("functional Transformer 1x d_model 16")
   assert f"results will be written to {out}" in proc.stdout.splitlines()[0]
+
+
+def test_cpu_profile_counts_overlap_once_per_instant_and_nested_events_once():
+  threads = [
+      cpu_profile.outermost([(0, 10, "a.1"), (2, 4, "inner"), (10, 14, "b.2")]),
+      cpu_profile.outermost([(5, 12, "c.1")]),
+      cpu_profile.outermost([(11, 13, "a.3")]),
+  ]
+  assert threads[0] == [(0, 10, "a.1"), (10, 14, "b.2")]
+  by_k = cpu_profile.concurrency(threads)
+  assert by_k == {1: 6, 2: 7, 3: 1}  # alone 0-5, 13-14; two 5-11, 12-13; three 11-12
+  assert sum(by_k.values()) == 14  # the span: no instant counted twice
+  s = cpu_profile.summarize(threads, steps=2, top=2)
+  assert s["kernel_ms"] == (10 + 4 + 7 + 2) / 1e6 / 2
+  assert s["overlap_ms"] == 8 / 1e6 / 2 and s["alone_ms"] == 6 / 1e6 / 2
+  assert s["top_groups"] == [("a", 12 / 1e6 / 2), ("c", 7 / 1e6 / 2)]
+  with pytest.raises(RuntimeError, match="no XLA kernel events"):
+    cpu_profile.summarize([], steps=1, top=1)
+
+
+def test_cpu_profile_smoke_reads_the_kernels_of_each_variant(tmp_path, capsys):
+  assert cpu_profile.main(["--smoke", "--variants", "f16_dynamic,flax_dynamic",
+                           "--out", str(tmp_path)]) == 0
+  files = sorted(tmp_path.iterdir())
+  assert [f.suffix for f in files] == [".json", ".md"]
+  assert files[0].stem.startswith("cpu-profile-cnn-")
+  result = json.loads(files[0].read_text())
+  assert list(result["variants"]) == ["f16_dynamic", "flax_dynamic"]
+  for v in result["variants"].values():
+    p = v["profile"]
+    assert v["wall_ms"] > 0 and v["cpu_ms"] > 0
+    assert 0 < p["kernel_ms"] and 0 <= p["overlap_ms"] <= p["kernel_ms"]
+    assert p["alone_ms"] + p["overlap_ms"] <= p["span_ms"] + 1e-9
+    assert 0 < len(p["top_groups"]) <= 4 and all(t > 0 for _, t in p["top_groups"])
+  out = capsys.readouterr().out
+  assert out.startswith("model cnn (smoke size), variants f16_dynamic, flax_dynamic")
+  assert files[1].read_text() in out
+
+
+def test_cpu_profile_refuses_a_gpu_and_the_gpu_variant(capsys):
+  for args, message in ((["--device", "gpu"], "use a GPU profiler"),
+                        (["--variants", "fp32_highest"], "GPU variant")):
+    with pytest.raises(SystemExit):
+      cpu_profile.main(["--smoke", *args])
+    assert message in capsys.readouterr().err
