@@ -349,11 +349,11 @@ def test_cpu_profile_counts_overlap_once_per_instant_and_nested_events_once():
 
 
 def test_cpu_profile_smoke_reads_the_kernels_of_each_variant(tmp_path, capsys):
-  assert cpu_profile.main(["--smoke", "--variants", "f16_dynamic,flax_dynamic",
+  assert cpu_profile.main(["--smoke", "--model", "mlp", "--variants", "f16_dynamic,flax_dynamic",
                            "--out", str(tmp_path)]) == 0
   files = sorted(tmp_path.iterdir())
   assert [f.suffix for f in files] == [".json", ".md"]
-  assert files[0].stem.startswith("cpu-profile-cnn-")
+  assert files[0].stem.startswith("cpu-profile-mlp-")
   result = json.loads(files[0].read_text())
   assert list(result["variants"]) == ["f16_dynamic", "flax_dynamic"]
   for v in result["variants"].values():
@@ -363,7 +363,7 @@ def test_cpu_profile_smoke_reads_the_kernels_of_each_variant(tmp_path, capsys):
     assert p["alone_ms"] + p["overlap_ms"] <= p["span_ms"] + 1e-9
     assert 0 < len(p["top_groups"]) <= 4 and all(t > 0 for _, t in p["top_groups"])
   out = capsys.readouterr().out
-  assert out.startswith("model cnn (smoke size), variants f16_dynamic, flax_dynamic")
+  assert out.startswith("model mlp (smoke size), variants f16_dynamic, flax_dynamic")
   assert files[1].read_text() in out
 
 
