@@ -110,19 +110,17 @@ def state_bytes(state: Any) -> int:
   return total
 
 
-@dataclasses.dataclass
-class Live:
-  """A compiled variant and its current (donated, chained) state."""
+def _not_skipped(name: str) -> Any:
+  """A :attr:`measure.Live.check` that raises if the step skipped its update."""
 
-  variant: Variant
-  compiled: Any
-  state: Any
-  record: dict[str, Any]
-  times: list[float] = dataclasses.field(default_factory=list)
-  cpu_times: list[float] = dataclasses.field(default_factory=list)
+  def check(metrics: Any) -> None:
+    if not bool(metrics["grads_finite"]):
+      raise RuntimeError(f"{name}: a step was skipped while timing")
+
+  return check
 
 
-def prepare(variant: Variant, problem: models.Problem, warmup: int) -> Live:
+def prepare(variant: Variant, problem: models.Problem, warmup: int) -> measure.Live:
   step, state = build(variant, problem)
   n = param_count(problem.params)
   t0 = time.perf_counter()
@@ -140,26 +138,7 @@ def prepare(variant: Variant, problem: models.Problem, warmup: int) -> Live:
     state, metrics = compiled(state, problem.batch)
   jax.block_until_ready((state, metrics))
   record["loss_after_warmup"] = float(metrics["loss"])
-  return Live(variant, compiled, state, record)
-
-
-def time_once(live: Live, batch: Any, inner: int) -> float:
-  """Wall time per step over ``inner`` steps; also records this process's CPU time per step.
-
-  On a shared machine other processes stretch the wall time; the CPU time
-  (summed over XLA's threads) counts only this step's own work.
-  """
-  state = live.state
-  c0 = time.process_time()
-  t0 = time.perf_counter()
-  for _ in range(inner):
-    state, metrics = live.compiled(state, batch)
-  jax.block_until_ready((state, metrics))
-  live.cpu_times.append((time.process_time() - c0) / inner)
-  live.state = state
-  if not bool(metrics["grads_finite"]):
-    raise RuntimeError(f"{live.variant.name}: a step was skipped while timing")
-  return (time.perf_counter() - t0) / inner
+  return measure.Live(variant, compiled, state, [], record, check=_not_skipped(variant.name))
 
 
 def bench_model(problem: models.Problem, variants: Sequence[Variant], *, repeats: int,
@@ -168,10 +147,7 @@ def bench_model(problem: models.Problem, variants: Sequence[Variant], *, repeats
   say(f"[{problem.name}] compiling {len(variants)} variants ({param_count(problem.params):,} params)")
   lives = [prepare(v, problem, warmup) for v in variants]
   say(f"[{problem.name}] timing: {repeats} interleaved repeats of {inner} steps each")
-  for r in range(repeats):
-    shift = r % len(lives)
-    for live in lives[shift:] + lives[:shift]:
-      live.times.append(time_once(live, problem.batch, inner))
+  measure.time_interleaved(lives, problem.batch, repeats, inner)
   base = next(live for live in lives if live.variant.name == "fp32")
   out = []
   for live in lives:

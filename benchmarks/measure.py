@@ -88,14 +88,17 @@ class Live:
     times: wall time per step of each timed sample, in seconds.
     record: what is known about it so far (see :func:`prepare`).
     cpu_times: process CPU time per step of each timed sample, in seconds.
+    check: called with the step's last output after each timed sample (to
+      raise if, say, the step skipped), or None.
   """
 
-  variant: variants_lib.Variant
+  variant: Any  # a variants_lib.Variant, or another benchmark's variant with a name
   compiled: Any
   state: Any
   times: list[float]
   record: dict[str, Any]
   cpu_times: list[float] = dataclasses.field(default_factory=list)
+  check: Callable[[Any], None] | None = None
 
 
 def memory_bytes(compiled: Any) -> dict[str, int | None]:
@@ -172,6 +175,8 @@ def time_once(live: Live, batch: Any, inner: int) -> float:
   elapsed = time.perf_counter() - t0
   live.cpu_times.append((time.process_time() - c0) / inner)
   live.state = state
+  if live.check is not None:
+    live.check(out)
   return elapsed / inner
 
 

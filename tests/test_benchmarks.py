@@ -18,11 +18,14 @@ import statistics
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import autocast
 from benchmarks import cpu_profile
+from benchmarks import masters
 from benchmarks import measure
 from benchmarks import models
 from benchmarks import overhead_study
@@ -30,6 +33,7 @@ from benchmarks import report
 from benchmarks import run
 from benchmarks import sweep
 from benchmarks import variants as variants_lib
+import jmp_lite as jmp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOKE_VARIANTS = ("fp32", "bf16", "f16_dynamic", "f16_noscale", "jmp_dynamic", "flax_dynamic")
@@ -286,11 +290,6 @@ def test_f16_autocast_variant_keeps_softmax_in_float32_and_is_compared_to_f16_dy
 
 
 def test_autocast_benchmark_compares_programs_with_the_same_dtypes():
-  import jax
-  import jax.numpy as jnp
-
-  import jmp_lite as jmp
-
   policy = jmp.get_policy("mixed_float16")
   params = policy.cast_to_compute(autocast.init(jax.random.key(0), 16, 1, 8))
   tokens = np.random.default_rng(0).integers(0, 256, (2, 9))
@@ -373,3 +372,13 @@ def test_cpu_profile_refuses_a_gpu_and_the_gpu_variant(capsys):
     with pytest.raises(SystemExit):
       cpu_profile.main(["--smoke", *args])
     assert message in capsys.readouterr().err
+
+
+def test_time_once_checks_the_last_output_of_each_sample():
+  step = lambda s, _: (s + 1, {"grads_finite": s < 3})  # noqa: E731  skips from the 4th call
+  live = measure.Live("v", step, jnp.zeros((), jnp.int32), [], {},
+                      check=masters._not_skipped("bf16_kahan"))  # pylint: disable=protected-access
+  assert measure.time_once(live, None, 2) > 0 and int(live.state) == 2
+  with pytest.raises(RuntimeError, match="bf16_kahan: a step was skipped while timing"):
+    measure.time_once(live, None, 2)
+  assert len(live.cpu_times) == 2
