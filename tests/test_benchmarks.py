@@ -289,6 +289,31 @@ def test_f16_autocast_variant_keeps_softmax_in_float32_and_is_compared_to_f16_dy
   assert result["variants"]["f16_autocast"]["label"] == variants_lib.LABELS["f16_autocast"]
 
 
+def test_gpu_bars_add_the_skip_overhead_and_the_host_sync_check():
+  ratios = {"overhead": 1.025, "dispatch_fraction": 0.97, "vs_flax": 0.9}
+  cpu = {(b["bar"], b["limit"]) for b in measure.check_bars("mlp", ratios, on_gpu=False)}
+  assert cpu == {("overhead", 1.03), ("vs_flax", 1.0)}
+  gpu = {(b["bar"], b["limit"], b["scope"], b["passed"])
+         for b in measure.check_bars("mlp", ratios, on_gpu=True)}
+  assert gpu == {("overhead", 1.03, "cpu", True), ("vs_flax", 1.0, "cpu", True),
+                 ("overhead", 1.02, "gpu", False), ("dispatch_fraction", 0.5, "gpu", False)}
+
+
+def test_dispatch_fraction_is_measured_per_variant_where_the_gpu_bars_apply():
+  # on_gpu=True on the CPU: the code path a GPU run takes, at smoke size.
+  result = measure.bench_model(
+      models.build_problem("mlp", "smoke"), ["f16_dynamic", "f16_noscale"], repeats=2, warmup=1,
+      target_s=1e-9, on_gpu=True, peak_tflops=None, peaks={}, progress=_NoProgress(),
+      meaningful=False)
+  for v in result["variants"].values():
+    d = v["dispatch"]
+    assert d["steps"] == measure.DISPATCH_STEPS and 0 < d["dispatch_s"] <= d["total_s"]
+    assert d["fraction"] == d["dispatch_s"] / d["total_s"]
+  assert result["ratios"]["dispatch_fraction"] == result["variants"]["f16_dynamic"]["dispatch"]["fraction"]
+  assert {b["bar"] for b in result["bars"] if b["scope"] == "gpu"} == {"overhead", "dispatch_fraction"}
+  assert result["variants"]["f16_dynamic"]["skipped_during_timing"] is False
+
+
 def test_autocast_benchmark_compares_programs_with_the_same_dtypes():
   policy = jmp.get_policy("mixed_float16")
   params = policy.cast_to_compute(autocast.init(jax.random.key(0), 16, 1, 8))
