@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +24,16 @@ OUT_HELP = ("results folder (default: out/ at the repository root, which git ign
             "a --smoke run writes nothing unless --out is given)")
 
 
+# Lean master weights (--masters): TrainState.create arguments, run under the bf16 policy.
+MASTERS = {
+    "f32": {},
+    "bf16-nearest": dict(master_dtype=jnp.bfloat16, rounding="nearest"),
+    "bf16-stochastic": dict(master_dtype=jnp.bfloat16, rounding="stochastic"),
+    "bf16-kahan": dict(master_dtype=jnp.bfloat16, rounding="kahan"),
+}
+LEAN_MASTERS = tuple(m for m in MASTERS if m != "f32")
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
   """An example's parser; its description is the first two paragraphs of ``doc``.
 
@@ -31,6 +42,38 @@ def parser(doc: str) -> argparse.ArgumentParser:
   """
   return argparse.ArgumentParser(description="\n\n".join(doc.split("\n\n")[:2]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_scale_arguments(p: argparse.ArgumentParser) -> None:
+  """Adds ``--init-scale`` and ``--growth-interval`` (the f16 mode's dynamic loss scale)."""
+  p.add_argument("--init-scale", type=float, default=2.0**15,
+                 help="f16 initial loss scale (default: %(default)s)")
+  p.add_argument("--growth-interval", type=int, default=200,
+                 help="f16 finite steps per growth of the loss scale (default: %(default)s)")
+
+
+def add_masters_argument(p: argparse.ArgumentParser, results: str) -> None:
+  """Adds ``--masters``; check its value with :func:`masters_list`."""
+  p.add_argument("--masters", default="",
+                 help="also train the bf16 mode with lean master weights, a comma-separated "
+                      f"subset of {', '.join(LEAN_MASTERS)} (results go to {results}.*) "
+                      "(default: none)")
+
+
+def masters_list(p: argparse.ArgumentParser, text: str) -> list[str]:
+  """The ``--masters`` names, in the order given; a usage error for an unknown one."""
+  names = [m for m in text.split(",") if m]
+  bad = [m for m in names if m not in LEAN_MASTERS]
+  if bad:
+    p.error(f"--masters must be a comma-separated subset of {LEAN_MASTERS}, got {bad[0]!r}")
+  return names
+
+
+def add_output_arguments(p: argparse.ArgumentParser, smoke_help: str) -> None:
+  """Adds ``--smoke``, ``--out`` and ``--no-progress``; see :func:`output_dir`."""
+  p.add_argument("--smoke", action="store_true", help=smoke_help)
+  p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
 def output_dir(out: Path | None, smoke: bool) -> Path | None:

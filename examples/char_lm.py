@@ -42,13 +42,7 @@ import _common
 
 MODES = ("fp32", "bf16", "f16")
 POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16"}
-# Lean master weights (--masters): TrainState.create arguments, run under the bf16 policy.
-MASTERS = {
-    "f32": {},
-    "bf16-nearest": dict(master_dtype=jnp.bfloat16, rounding="nearest"),
-    "bf16-stochastic": dict(master_dtype=jnp.bfloat16, rounding="stochastic"),
-    "bf16-kahan": dict(master_dtype=jnp.bfloat16, rounding="kahan"),
-}
+MASTERS = _common.MASTERS  # --masters: lean master weights
 VOCAB = 256  # bytes
 
 
@@ -273,17 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="MB of stdlib source to read (default: %(default)s; --smoke: 0.05)")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the initial weights (default: %(default)s)")
-  p.add_argument("--init-scale", type=float, default=2.0**15,
-                 help="f16 initial loss scale (default: %(default)s)")
-  p.add_argument("--growth-interval", type=int, default=200,
-                 help="f16 finite steps per growth of the loss scale (default: %(default)s)")
-  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps, for CI")
-  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
-  p.add_argument("--masters", default="",
-                 help="also train the bf16 mode with lean master weights, a comma-separated "
-                      f"subset of {', '.join(m for m in MASTERS if m != 'f32')} "
-                      "(results go to char_lm_masters.*) (default: none)")
-  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  _common.add_scale_arguments(p)
+  _common.add_masters_argument(p, "char_lm_masters")
+  _common.add_output_arguments(p, "a tiny model for a few steps, for CI")
   return p
 
 
@@ -291,11 +277,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """Parses and checks ``argv``; ``out`` becomes the folder to write to, or None."""
   p = build_parser()
   args = p.parse_args(argv)
-  args.masters = [m for m in args.masters.split(",") if m]
-  bad = [m for m in args.masters if m not in MASTERS or m == "f32"]
-  if bad:
-    p.error(f"--masters must be a comma-separated subset of "
-            f"{tuple(m for m in MASTERS if m != 'f32')}, got {bad[0]!r}")
+  args.masters = _common.masters_list(p, args.masters)
   for name in ("steps", "batch", "seq_len", "hidden", "layers"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

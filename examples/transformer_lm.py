@@ -283,9 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--loss", choices=("optax", "naive"), default="optax",
                  help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
                       "(results named transformer_lm_naive.*) (default: %(default)s)")
-  p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps, for CI")
-  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
-  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  _common.add_output_arguments(p, "a tiny model for a few steps, for CI")
   return p
 
 

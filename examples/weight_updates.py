@@ -195,9 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="compute policy, a jmp.get_policy name (default: %(default)s)")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the teacher, the noise and the data (default: %(default)s)")
-  p.add_argument("--smoke", action="store_true", help="30 steps per run, for CI")
-  p.add_argument("--out", type=Path, default=None, help=_common.OUT_HELP)
-  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  _common.add_output_arguments(p, "30 steps per run, for CI")
   return p
 
 
