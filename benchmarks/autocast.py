@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
-import pathlib
 import statistics
 import sys
 from typing import Any, Callable
@@ -331,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
   result = dict(
       meta=report.meta(cli.command(PROG, argv), device, smoke=args.smoke,
                        init_scale=INIT_SCALE),
-      config={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+      config=cli.args_record(args),
       step=step,
       trace=traces,
       bars=bars,
@@ -339,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
   )
   text = markdown(result)
   stem = out / f"autocast-{report.machine_name(device)}-{result['meta']['date']}"
-  stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-  stem.with_suffix(".md").write_text(text)
+  report.write(result, stem, text)
   print()
   print(text)
   for b in bars:

@@ -170,6 +170,16 @@ def command(prog: str, argv: list[str]) -> str:
   return prog + ("" if not argv else " " + shlex.join(argv))
 
 
+def args_record(args: argparse.Namespace) -> dict[str, Any]:
+  """The parsed options as a JSON-ready dict (paths as strings).
+
+  Examples:
+    >>> args_record(argparse.Namespace(out=pathlib.Path("out"), steps=3))
+    {'out': 'out', 'steps': 3}
+  """
+  return {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
+
+
 def progress_bar(total: int, desc: str) -> Any:
   """A tqdm progress bar on stderr."""
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel

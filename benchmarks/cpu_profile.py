@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
-import pathlib
 import re
 import statistics
 import sys
@@ -194,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   if args.device != "cpu":
     p.error("--device gpu: this profile reads XLA:CPU's kernel events; use a GPU profiler")
-  names = cli.choose(
-      ",".join(DEFAULT_VARIANTS) if args.variants == "all" else args.variants,
-      variants_lib.VARIANTS, DEFAULT_VARIANTS, "variant",
-  )
+  names = cli.choose(args.variants, variants_lib.VARIANTS, DEFAULT_VARIANTS, "variant")
   if "fp32_highest" in names:
     p.error("fp32_highest is a GPU variant")
   if args.smoke:
@@ -224,15 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     )
   result = dict(
       meta=report.meta(cli.command(PROG, argv), device, smoke=args.smoke),
-      config={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+      config=cli.args_record(args),
       variants=results,
   )
   text = markdown(result)
   m = result["meta"]
   cores = "" if m["usable_cpus"] in (None, m["cpu_count"]) else f"-{m['usable_cpus']}cpu"
   stem = out / f"cpu-profile-{args.model}{cores}-{report.machine_name(device)}-{m['date']}"
-  stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-  stem.with_suffix(".md").write_text(text)
+  report.write(result, stem, text)
   print()
   print(text)
   print(f"wrote {stem}.json and .md")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import pathlib
 import platform
 import statistics
@@ -381,8 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   text = markdown(payload)
   print("\n" + text)
   stem = out / f"masters-{report.machine_name(device)}-{payload['meta']['date']}"
-  stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-  stem.with_suffix(".md").write_text(text)
+  report.write(payload, stem, text)
   print(f"wrote {stem}.json and {stem}.md")
   return 1 if args.strict and not all(b["passed"] for b in bars) else 0
 

@@ -229,9 +229,10 @@ def write(
     result: dict[str, Any],
     stem: pathlib.Path,
     text: str,
-    plot_fn: Callable[[dict[str, Any], pathlib.Path], None],
+    plot_fn: Callable[[dict[str, Any], pathlib.Path], None] | None = None,
 ) -> None:
-  """Writes ``stem.json`` (``result``), ``stem.md`` (``text``) and ``stem.png``."""
+  """Writes ``stem.json`` (``result``), ``stem.md`` (``text``) and, with ``plot_fn``, ``stem.png``."""
   stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
   stem.with_suffix(".md").write_text(text)
-  plot_fn(result, stem.with_suffix(".png"))
+  if plot_fn is not None:
+    plot_fn(result, stem.with_suffix(".png"))

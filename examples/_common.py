@@ -76,6 +76,16 @@ def add_output_arguments(p: argparse.ArgumentParser, smoke_help: str) -> None:
   p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
+def args_record(args: argparse.Namespace) -> dict[str, Any]:
+  """The parsed options as a JSON-ready dict (paths as strings).
+
+  Examples:
+    >>> args_record(argparse.Namespace(out=Path("out"), steps=3))
+    {'out': 'out', 'steps': 3}
+  """
+  return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
 def output_dir(out: Path | None, smoke: bool) -> Path | None:
   """Where a run writes its files.
 

@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results
   payload = {
-      "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+      "config": _common.args_record(args),
       "train_bytes": len(train_tokens),
       "valid_bytes": len(valid_tokens),
       "results": [

@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   out.mkdir(parents=True, exist_ok=True)
   plot(results, png, per_epoch=per_epoch)
   payload = {
-      "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+      "config": _common.args_record(args),
       "steps_per_mode": len(results[0].losses),
       "results": [
           {k: v for k, v in dataclasses.asdict(r).items() if not isinstance(v, np.ndarray)}

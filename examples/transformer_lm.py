@@ -331,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   args.out.mkdir(parents=True, exist_ok=True)
   plot(results, png, args.loss)
   payload = {
-      "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+      "config": _common.args_record(args),
       "train_bytes": len(train_tokens),
       "valid_bytes": len(valid_tokens),
       "params": n_params,

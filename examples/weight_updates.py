@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   png = out / "weight_updates.png"
   plot(results, png, watch, args.steps)
   payload = {
-      "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+      "config": _common.args_record(args),
       "weights": int(n),
       "watched_weight": [watch[0], list(watch[1])],
       "lr_over_half_ulp": {"median": float(np.median(ratio)),
