@@ -1,0 +1,105 @@
+"""Which leaves of a pytree are traced and which are static: the one rule.
+
+**The rule** (Equinox's ``eqx.is_array``, which ``eqx.filter_jit`` uses): a
+leaf is *traced* if it is an array: a ``jax.Array`` (PRNG keys included), a
+NumPy array or NumPy scalar, or a ``jax.ShapeDtypeStruct`` standing for one.
+Every other leaf (Python numbers and bools, strings, functions, enum values,
+any other object) is *static*: configuration that is carried through as the
+very same object, never converted to an array, never differentiated, donated
+or given optimizer state, and part of the compilation key (compared by value
+when hashable, by identity otherwise).
+
+The train step, :func:`autocast` and :func:`precision_lint` all partition
+their arguments with :func:`partition`. :meth:`TrainState.create` normalises
+state before that: outside an Equinox module a Python number becomes a
+strongly typed array (a plain ``{"w": ..., "b": 0.5}`` trains ``b``, as
+``jax.jit`` and optax would treat it); a field of an Equinox module
+(``eqx.nn.MaxPool2d``'s ``-inf``, ``eqx.nn.Dropout``'s ``p`` and
+``inference``) stays a static field, as it is under ``eqx.filter_jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+# (treedef, one Static or None per leaf): the static half of a partition.
+Spec = tuple[Any, tuple[Any, ...]]
+
+
+def is_traced(x: Any) -> bool:
+  """Whether ``x`` is a leaf to trace: an array (or a ``ShapeDtypeStruct``)."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def is_module(x: Any) -> bool:
+  """Whether ``x`` is an Equinox module (without importing Equinox)."""
+  eqx = sys.modules.get("equinox")
+  module = getattr(eqx, "Module", None)
+  return module is not None and isinstance(x, module)
+
+
+def map_outside_modules(
+    fn: Callable[[Any], Any], tree: Any, in_module: Callable[[Any], Any]
+) -> Any:
+  """Maps ``fn`` over the leaves of ``tree`` outside Equinox modules, ``in_module`` inside."""
+
+  def node(x: Any) -> Any:
+    return jax.tree.map(in_module, x) if is_module(x) else fn(x)
+
+  return jax.tree.map(node, tree, is_leaf=is_module)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Static:
+  """A static leaf, compared by value if hashable and by identity otherwise."""
+
+  value: Any
+
+  def _key(self) -> Any:
+    try:
+      hash(self.value)
+    except TypeError:
+      return ("id", id(self.value))
+    return ("value", type(self.value), self.value)
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, Static) and self._key() == other._key()
+
+
+def partition(tree: Any) -> tuple[list[Any], Spec]:
+  """``(traced leaves with None holes, spec)``, like ``eqx.partition(tree, eqx.is_array)``.
+
+  The spec (the tree structure and the static leaves, wrapped in
+  :class:`Static`) is hashable, so it can be a ``static_argnums`` argument.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> traced, spec = partition({"w": jnp.ones(2), "act": "relu", "p": 0.5})
+    >>> [x is None for x in traced]
+    [True, True, False]
+    >>> combine(traced, spec)["act"]
+    'relu'
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  traced = [x if is_traced(x) else None for x in leaves]
+  static = tuple(None if is_traced(x) else Static(x) for x in leaves)
+  return traced, (treedef, static)
+
+
+def combine(traced: list[Any], spec: Spec) -> Any:
+  """The tree that :func:`partition` split, with ``traced`` in the traced places."""
+  treedef, static = spec
+  return treedef.unflatten([t if s is None else s.value for t, s in zip(traced, static)])
+
+
+def has_static(tree: Any) -> bool:
+  """Whether any leaf of ``tree`` is static."""
+  return not all(is_traced(x) for x in jax.tree.leaves(tree))
