@@ -24,6 +24,8 @@ from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
 from jmp_lite._src.policy import get_policy
 from jmp_lite._src.policy import half_dtype
+from jmp_lite._src.precision_report import PrecisionReport
+from jmp_lite._src.precision_report import precision_report
 from jmp_lite._src.train import TrainState
 from jmp_lite._src.train import make_train_step
 from jmp_lite._src.transform import LossScaleState
@@ -44,6 +46,7 @@ __all__ = (
     "LossScaleState",
     "NoOpLossScale",
     "Policy",
+    "PrecisionReport",
     "StaticLossScale",
     "TrainState",
     "all_finite",
@@ -59,6 +62,7 @@ __all__ = (
     "make_train_step",
     "nonfinite_paths",
     "precision_lint",
+    "precision_report",
     "select_tree",
     "skipped_steps_of",
     "static_loss_scaling",

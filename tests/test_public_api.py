@@ -23,7 +23,7 @@ DOCUMENTED = {
     "autocast", "AutocastLists",
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "gradient_report",
-    "nonfinite_paths", "precision_lint",
+    "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
 }
 
 

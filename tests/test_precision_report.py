@@ -1,0 +1,121 @@
+"""precision_report: what really ran in half, on models written the way their users write them."""
+
+import dataclasses
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jmp_lite as jmp
+
+F16, F32 = jnp.float16, jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """lm1b-style configuration: the model's layers take their dtype from here."""
+
+  dtype: object = jnp.float32
+  width: int = 16
+
+
+class PinnedMlpBlock(nn.Module):
+  """Written like Flax's lm1b MlpBlock: every layer gets ``dtype=config.dtype``."""
+
+  config: Config
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    x = x.astype(cfg.dtype)  # lm1b casts activations to the configured dtype.
+    h = nn.Dense(cfg.width * 2, dtype=cfg.dtype)(x)
+    h = nn.LayerNorm(dtype=cfg.dtype)(nn.gelu(h))
+    h = h[:, None, :]
+    h = nn.MultiHeadDotProductAttention(num_heads=2, dtype=cfg.dtype, deterministic=True)(h, h)
+    return nn.Dense(4, dtype=cfg.dtype)(h[:, 0])
+
+
+def _pinned(dtype):
+  model = PinnedMlpBlock(Config(dtype=dtype))
+  x = jax.random.normal(jax.random.key(0), (3, 8))
+  variables = model.init(jax.random.key(1), x)
+
+  def loss_fn(params, x):
+    return jnp.mean(model.apply({"params": params}, x) ** 2)
+
+  return loss_fn, variables["params"], x
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, None])
+def test_a_model_pinned_to_float32_is_reported_as_float32(dtype):
+  loss_fn, params, x = _pinned(dtype)
+  report = jmp.precision_report(loss_fn, params, x, policy="mixed_float16")
+  matmuls = report.count("matmul")
+  assert matmuls == 8  # Two Dense, the attention's q/k/v/out projections, two einsums.
+  # dtype=None too: ``x.astype(None)`` is float32, and the layers follow their inputs.
+  assert report.count("matmul", F32) == matmuls and report.count("matmul", F16) == 0
+  on = jmp.precision_report(loss_fn, params, x, policy="mixed_float16", autocast=True)
+  assert on.count("matmul", F16) == matmuls and on.count("matmul", F32) == 0
+  # Autocast runs the softmax's exp and the norms' statistics in float32.
+  assert on.count("exp/log", F16) == 0 and on.count("norm stats", F16) == 0
+
+
+def test_counts_and_table_of_a_small_function():
+  def loss_fn(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    logits = h.astype(F32) @ params["w2"].astype(F32)
+    return jnp.mean(jax.nn.log_softmax(logits))
+
+  params = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 4))}
+  x = jax.ShapeDtypeStruct((2, 8), F32)  # Nothing is computed.
+  report = jmp.precision_report(loss_fn, params, x, policy="mixed_float16")
+  assert report.counts["matmul"] == {"float16": 1, "float32": 1}
+  assert report.count("exp/log") == report.count("exp/log", F32) == 2  # exp and log
+  assert report.count("conv") == 0
+  lines = str(report).splitlines()
+  assert lines[0].split() == ["kind", "float16", "float32", "total"]
+  assert lines[1].split() == ["matmul", "1", "1", "2"]
+  assert len(lines) == 1 + len(("matmul", "conv", "exp/log", "reduction", "norm stats", "other"))
+  # Without a policy the function is traced as given: all float32.
+  assert jmp.precision_report(loss_fn, params, x).count("matmul", F32) == 2
+
+
+def test_loops_branches_and_the_backward_pass():
+  def f(w, x):
+    def body(h, _):
+      return jnp.tanh(h @ w), None
+    h, _ = jax.lax.scan(body, x, None, length=5)
+    return jax.lax.cond(h.sum() > 0, lambda: jnp.sum(h @ w), lambda: jnp.sum(h))
+
+  w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+  forward = jmp.precision_report(f, w, x, policy="mixed_bfloat16")
+  assert forward.counts["matmul"] == {"bfloat16": 2}  # The scan body counts once.
+  backward = jmp.precision_report(jax.grad(f), w, x, policy="mixed_bfloat16")
+  assert backward.count("matmul", jnp.bfloat16) > forward.count("matmul")
+
+
+def test_equinox_module_and_static_batch_leaves():
+  model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))  # holds jax.nn.relu
+
+  def loss_fn(model, batch):
+    assert batch["split"] == "train"
+    return jnp.mean(jax.vmap(model)(batch["x"]) ** 2)
+
+  batch = {"x": jnp.ones((5, 4)), "split": "train"}
+  report = jmp.precision_report(loss_fn, model, batch, policy="mixed_float16")
+  assert report.counts["matmul"] == {"float16": 3}
+
+
+def test_bad_arguments():
+  f = lambda w, x: jnp.sum(x @ w)
+  w, x = jnp.ones((2, 2)), jnp.ones((2, 2))
+  with pytest.raises(ValueError, match="autocast=True needs a policy"):
+    jmp.precision_report(f, w, x, autocast=True)
+  with pytest.raises(TypeError, match="policy must be"):
+    jmp.precision_report(f, w, x, policy=3)
+  with pytest.raises(TypeError, match="fn must be callable"):
+    jmp.precision_report("f", w, x)
+  with pytest.raises(ValueError, match="kind must be one of"):
+    jmp.precision_report(f, w, x).count("matmuls")
