@@ -27,7 +27,6 @@ from jmp_lite._src import jaxpr_utils
 # a jitted function's jaxpr, so a function autocast sees again (a second call,
 # or a second use of the same jnp function) is interpreted once and compiled once.
 _JIT_CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
-_MAX_FIXPOINT = 4  # Carry dtypes only widen: f16/bf16 -> f32 takes at most two rounds.
 
 
 # jax.core is being slimmed down release by release; without Tracer, nothing is cached.
@@ -71,27 +70,35 @@ def _carry_fixpoint(
 
   Each carry starts in its initial value's dtype and widens to what the body
   returns (an f16 carry whose update runs in f32 becomes f32), so a loop never
-  narrows what autocast widened. Returns the interpreted body and the dtypes.
+  narrows what autocast widened. A carry that reads another carry widens a
+  round after it, so a cascade of n carries takes n + 1 rounds. A round that
+  does not settle widens at least one carry, and dtypes only widen, so
+  ``len(init) * len(ELIGIBLE) + 1`` rounds always suffice. Each round traces
+  the carries with their own types (``jax.typeof``: shape, sharding and the
+  varying manual axes of a ``shard_map``) in the round's dtypes. Returns the
+  interpreted body and the dtypes.
   """
   dtypes = [interp.value_dtype(c) for c in init]
   fn = lambda *a: interp.eval_closed(body, a, cfg)
-  for _ in range(_MAX_FIXPOINT):
-    carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) if d in interp.ELIGIBLE else c
+  for _ in range(len(init) * len(interp.ELIGIBLE) + 1):
+    carry_avals = [jax.typeof(c).update(dtype=d, weak_type=False) if d in interp.ELIGIBLE else c
                    for c, d in zip(init, dtypes)]
     closed = jax.make_jaxpr(fn)(*consts, *carry_avals, *x_avals)
     out = [jaxpr_utils.dtype_of(v) for v in closed.jaxpr.outvars[:len(init)]]
     joined = [interp.join(d, o) for d, o in zip(dtypes, out)]
     if joined == dtypes:
-      break
+      return closed, dtypes
     dtypes = joined
-  return closed, dtypes
+  raise RuntimeError(f"autocast: loop carry dtypes did not settle (a bug), last {dtypes}")
 
 
 def _scan(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
   consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-  x_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], jax.typeof(x).dtype) for x in xs]
+  # The slices' types as traced (varying manual axes included), in the dtypes autocast gave xs.
+  x_avals = [a.update(dtype=jax.typeof(x).dtype, weak_type=False)
+             for a, x in zip(p["jaxpr"].in_avals[nc + nk:], xs)]
   closed, dtypes = _carry_fixpoint(p["jaxpr"], consts, init, x_avals, cfg)
 
   def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -136,7 +143,8 @@ def _with(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list[
 
 
 def _declared(atoms: Sequence[Any]) -> list[Any]:
-  return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in atoms]
+  """The traced types of ``atoms``, strongly typed (varying manual axes kept)."""
+  return [v.aval.update(weak_type=False) for v in atoms]
 
 
 def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
@@ -199,7 +207,7 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
 
   def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
-    pullback["avals"] = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
+    pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
     return primal(*xs), interp.eval_closed(closed, xs, cfg)
 
   def bwd(residuals: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
