@@ -19,6 +19,8 @@ from jax.extend.core import primitives as jex_primitives
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jmp_lite as jmp
+from jmp_lite._src import autocast_interpret as interp
+from jmp_lite._src import autocast_lists
 from jmp_lite._src import jaxpr_utils
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -749,3 +751,52 @@ def test_default_lists_name_real_primitives():
   assert not names - jaxpr_utils.primitive_names()
   assert lists.rule("dot_general") == "half" and lists.rule("reduce_sum") == "float32"
   assert lists.rule("add") == "promote" and lists.rule("pure_callback") == "original"
+
+
+# --- Extension points: handlers and per-op half rules (issue 20) ---------------------------
+
+
+def test_every_own_rule_is_a_registered_handler_or_convert():
+  assert set(interp.HANDLERS) | {"convert_element_type"} == autocast_lists.OWN_RULES
+  with pytest.raises(ValueError, match="a handler for 'exp' needs the name in "
+                                       "autocast_lists.OWN_RULES"):
+    interp.register_handler("exp", lambda eqn, ins, cfg: ins, ())
+
+
+def test_a_half_rule_runs_for_half_list_ops_only_and_inside_nested_jit_and_scan():
+  calls = []
+
+  def doubled(eqn, ins, cfg):  # A rule that changes the result, so its use shows in the numbers.
+    calls.append((eqn.primitive.name, tuple(str(x.dtype) for x in ins), cfg.fp8))
+    if eqn.params["dimension_numbers"][1][0]:  # Batched matmuls: the ordinary bind.
+      return None
+    return [2 * out for out in jaxpr_utils.bind(eqn, ins)]
+
+  def f(w, x, mult):
+    h = jax.jit(lambda a: jnp.tanh(a @ w))(x)                                   # 1 matmul
+    h = jax.lax.scan(lambda c, m: (c @ m, None), h, mult)[0]                    # 1 per step
+    return jnp.exp(h).sum() + jnp.einsum("bij,bjk->bik", mult, mult).sum()    # exp, batched
+
+  w = jax.random.normal(key(13), (4, 4)) * 0.5
+  x = jax.random.normal(key(14), (3, 4))
+  mult = jax.random.normal(key(15), (2, 4, 4)) * 0.5
+
+  def reference(w, x, mult):  # The same program with the unbatched matmuls doubled.
+    h = jnp.tanh(2 * (x @ w))
+    h = jax.lax.scan(lambda c, m: (2 * (c @ m), None), h, mult)[0]
+    return jnp.exp(h).sum() + jnp.einsum("bij,bjk->bik", mult, mult).sum()
+
+  interp.register_half_rule("dot_general", doubled)
+  try:
+    got = jmp.autocast(f, jnp.float16)(w, x, mult)
+    assert {c[0] for c in calls} == {"dot_general"}
+    assert {c[1] for c in calls} == {("float16", "float16")} and {c[2] for c in calls} == {None}
+    assert_close(got, reference(w, x, mult), HALF_TOL[F16])
+    assert not np.isclose(float(got), float(f(w, x, mult)), rtol=0.1)
+    calls.clear()  # Moved out of the half list, the matmul is no longer the rule's.
+    lists = jmp.AutocastLists().move("dot_general", to="float32")
+    got = jmp.autocast(lambda a, b: a @ b, jnp.float16, lists=lists)(w, x.T)
+    assert not calls and got.dtype == F32
+  finally:
+    interp.HALF_RULES.pop("dot_general")
+  assert "dot_general" not in interp.HALF_RULES
