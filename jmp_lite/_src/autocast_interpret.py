@@ -98,7 +98,6 @@ def register_half_rule(name: str, rule: HalfRule) -> None:
   Examples:
     >>> import jax.numpy as jnp
     >>> import jmp_lite as jmp
-    >>> from jmp_lite._src import jaxpr_utils
     >>> seen = []
     >>> def note(eqn, ins, cfg):
     ...   seen.append((eqn.primitive.name, str(ins[0].dtype)))
