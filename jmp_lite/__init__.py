@@ -4,8 +4,8 @@ A drop-in replacement for DeepMind's ``jmp`` (``import jmp_lite as jmp``) plus a
 optax loss-scaling transformation and a jit-compiled train step.
 """
 
-from jmp_lite._src.autocast import AutocastLists
 from jmp_lite._src.autocast import autocast
+from jmp_lite._src.autocast_lists import AutocastLists
 from jmp_lite._src.grad_report import GradientReport
 from jmp_lite._src.grad_report import LeafStats
 from jmp_lite._src.grad_report import gradient_report

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -14,6 +19,8 @@ from jax.extend.core import primitives as jex_primitives
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jmp_lite as jmp
+from jmp_lite._src import autocast_interpret as interp
+from jmp_lite._src import autocast_lists
 from jmp_lite._src import jaxpr_utils
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -321,6 +328,130 @@ def test_shard_map_body_is_autocast_and_sharding_constraints_are_kept(maybe_jit)
   assert constraints == [sharding]
 
 
+def cascade_step(carry):
+  """A pipelined cascade: carry 0 goes through exp (so it widens to f32), carry k
+  multiplies by carry k-1's previous value (so it widens one iteration later)."""
+  return (jnp.exp(carry[0]) * 0.5,) + tuple(c * p for c, p in zip(carry[1:], carry[:-1]))
+
+
+CASCADES = {
+    "scan": lambda c: jax.lax.scan(lambda c, _: (cascade_step(c), None), c, None, length=3)[0],
+    "fori_loop": lambda c: jax.lax.fori_loop(0, 3, lambda i, c: cascade_step(c), c),
+    "while_loop": lambda c: jax.lax.while_loop(
+        lambda s: s[0] < 3, lambda s: (s[0] + 1, cascade_step(s[1])), (0, c))[1],
+}
+
+
+@pytest.mark.parametrize("name", list(CASCADES))
+def test_carries_that_widen_one_after_another_reach_their_fixed_point(name, maybe_jit):
+  # Issue 22 item 4: 7 carries need 8 rounds (the old cap was 4, then lax.mul failed).
+  init = tuple(jnp.float16(v) for v in np.linspace(0.5, 1.0, 7))
+  out = maybe_jit(jmp.autocast(CASCADES[name], jnp.float16))(init)
+  want = CASCADES[name](tuple(c.astype(jnp.float32) for c in init))
+  assert [o.dtype for o in out] == [F32] * 7
+  for got, ref in zip(out, want):
+    assert_close(got, ref, 1e-6)
+
+
+def layers_scan(ws, x):
+  def layer(carry, w):
+    h, acc = carry
+    h = jnp.tanh(h @ w)
+    return (h, acc + jnp.sum(jnp.exp(h), axis=-1)), None
+  return jax.lax.scan(layer, (x, 0.0 * x[:, 0]), ws)[0]
+
+
+def layers_fori(ws, x):
+  return jax.lax.fori_loop(0, ws.shape[0], lambda i, h: jnp.tanh(h @ ws[i]), x), None
+
+
+def layers_while(ws, x):
+  def body(s):
+    i, h, acc = s
+    h = jnp.tanh(h @ ws[i])
+    return i + 1, h, acc + jnp.sum(jnp.exp(h), axis=-1)
+  init = (jnp.int32(0), x, 0.0 * x[:, 0])  # acc varies along "d", as x does
+  return jax.lax.while_loop(lambda s: s[0] < ws.shape[0], body, init)[1:]
+
+
+@jax.custom_vjp
+def matmul_psum_grad(x, w):
+  return x @ w
+
+
+matmul_psum_grad.defvjp(
+    lambda x, w: (x @ w, (x, w)),
+    lambda res, g: (g @ res[1].T, jax.lax.psum(res[0].T @ g, "d")))  # w is replicated
+
+
+# name: (per-shard fn(ws, x) -> (h, acc or None), h's dtype under autocast, differentiable)
+SHARDED_LOOPS = {
+    "scan": (layers_scan, F32, True),  # h: the carry started f32, and a carry never narrows
+    "fori_loop": (layers_fori, F32, True),
+    "while_loop": (layers_while, F32, False),
+    # In half as traced: in float32, relu's 0.0 (a pvary'd literal) would widen it.
+    "custom_jvp": (lambda ws, x: (jax.nn.relu(x.astype(jnp.float16) @ ws[0].astype(jnp.float16)),
+                                  None), F16, True),
+    "custom_vjp": (lambda ws, x: (jnp.tanh(matmul_psum_grad(x, ws[0])), None), F16, True),
+}
+
+
+def check_loop_in_shard_map(mesh, loop, outside):
+  """``loop(ws, x)`` on a batch split over ``mesh``'s axis "d", with replicated weights,
+  as ``autocast(shard_map(loop))`` (``outside``) or ``shard_map(autocast(loop))``."""
+  body, h_dtype, differentiable = SHARDED_LOOPS[loop]
+  specs = dict(mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))
+  plain = jax.shard_map(body, **specs)
+  run = (jmp.autocast(plain, jnp.float16) if outside
+         else jax.shard_map(jmp.autocast(body, jnp.float16), **specs))
+  ws = jax.random.normal(key(11), (3, 8, 8)) * 0.4
+  x = jax.random.normal(key(12), (4 * mesh.size, 8))
+  assert out_dtypes(run, ws, x, names={"dot_general"}) == {"dot_general": {"float16"}}
+  (h, acc), (want_h, want_acc) = run(ws, x), plain(ws, x)
+  assert h.dtype == h_dtype
+  assert_close(h, want_h, HALF_TOL[F16])
+  if acc is not None:
+    assert acc.dtype == F32
+    assert_close(acc, want_acc, HALF_TOL[F16])
+  if differentiable:
+    grad = lambda f: jax.grad(lambda w: jnp.sum(f(w, x)[0].astype(jnp.float32) ** 2))(ws)
+    assert_close(grad(run), grad(plain), HALF_TOL[F16])
+
+
+@pytest.mark.parametrize("outside", [True, False], ids=["autocast(shard_map)", "shard_map(autocast)"])
+@pytest.mark.parametrize("loop", list(SHARDED_LOOPS))
+def test_loops_inside_shard_map_keep_their_varying_axes(loop, outside):
+  # Issue 22 item 5: the fixpoint traced carries without their varying manual axes (and
+  # custom_jvp/custom_vjp traced their rules without them).
+  check_loop_in_shard_map(Mesh(np.array(jax.devices()[:1]), ("d",)), loop, outside)
+
+
+SHARD_MAP_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+from jax.sharding import Mesh
+import test_autocast as t
+assert jax.device_count() == 4, jax.devices()
+mesh = Mesh(np.array(jax.devices()), ("d",))
+for loop in t.SHARDED_LOOPS:
+  for outside in (True, False):
+    t.check_loop_in_shard_map(mesh, loop, outside)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_loops_inside_shard_map_on_four_cpu_devices():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  child = SHARD_MAP_CHILD.format(tests=str(pathlib.Path(__file__).parent))
+  proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+  assert proc.stdout.strip().endswith("ok"), proc.stdout
+
+
 def test_unknown_primitives_run_in_their_traced_dtypes_and_effects_are_kept(maybe_jit):
   seen = []
 
@@ -620,3 +751,52 @@ def test_default_lists_name_real_primitives():
   assert not names - jaxpr_utils.primitive_names()
   assert lists.rule("dot_general") == "half" and lists.rule("reduce_sum") == "float32"
   assert lists.rule("add") == "promote" and lists.rule("pure_callback") == "original"
+
+
+# --- Extension points: handlers and per-op half rules (issue 20) ---------------------------
+
+
+def test_every_own_rule_is_a_registered_handler_or_convert():
+  assert set(interp.HANDLERS) | {"convert_element_type"} == autocast_lists.OWN_RULES
+  with pytest.raises(ValueError, match="a handler for 'exp' needs the name in "
+                                       "autocast_lists.OWN_RULES"):
+    interp.register_handler("exp", lambda eqn, ins, cfg: ins, ())
+
+
+def test_a_half_rule_runs_for_half_list_ops_only_and_inside_nested_jit_and_scan():
+  calls = []
+
+  def doubled(eqn, ins, cfg):  # A rule that changes the result, so its use shows in the numbers.
+    calls.append((eqn.primitive.name, tuple(str(x.dtype) for x in ins), cfg.fp8))
+    if eqn.params["dimension_numbers"][1][0]:  # Batched matmuls: the ordinary bind.
+      return None
+    return [2 * out for out in jaxpr_utils.bind(eqn, ins)]
+
+  def f(w, x, mult):
+    h = jax.jit(lambda a: jnp.tanh(a @ w))(x)                                   # 1 matmul
+    h = jax.lax.scan(lambda c, m: (c @ m, None), h, mult)[0]                    # 1 per step
+    return jnp.exp(h).sum() + jnp.einsum("bij,bjk->bik", mult, mult).sum()    # exp, batched
+
+  w = jax.random.normal(key(13), (4, 4)) * 0.5
+  x = jax.random.normal(key(14), (3, 4))
+  mult = jax.random.normal(key(15), (2, 4, 4)) * 0.5
+
+  def reference(w, x, mult):  # The same program with the unbatched matmuls doubled.
+    h = jnp.tanh(2 * (x @ w))
+    h = jax.lax.scan(lambda c, m: (2 * (c @ m), None), h, mult)[0]
+    return jnp.exp(h).sum() + jnp.einsum("bij,bjk->bik", mult, mult).sum()
+
+  interp.register_half_rule("dot_general", doubled)
+  try:
+    got = jmp.autocast(f, jnp.float16)(w, x, mult)
+    assert {c[0] for c in calls} == {"dot_general"}
+    assert {c[1] for c in calls} == {("float16", "float16")} and {c[2] for c in calls} == {None}
+    assert_close(got, reference(w, x, mult), HALF_TOL[F16])
+    assert not np.isclose(float(got), float(f(w, x, mult)), rtol=0.1)
+    calls.clear()  # Moved out of the half list, the matmul is no longer the rule's.
+    lists = jmp.AutocastLists().move("dot_general", to="float32")
+    got = jmp.autocast(lambda a, b: a @ b, jnp.float16, lists=lists)(w, x.T)
+    assert not calls and got.dtype == F32
+  finally:
+    interp.HALF_RULES.pop("dot_general")
+  assert "dot_general" not in interp.HALF_RULES

@@ -4,6 +4,7 @@ import inspect
 import pathlib
 import sys
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -123,3 +124,36 @@ def test_lint_with_prng_keys_in_the_arguments():
   batch = {"x": jnp.ones((8, 32)), "key": jax.random.key(1)}
   ops = [f.op for f in jmp.precision_lint(loss_fn, params, batch, policy=F16)]
   assert ops == ["dot_general", "dot_general", "softmax/logsumexp"]
+
+
+# --- issue 22 item 8: static leaves, as the train step accepts them ---------------
+
+
+def test_lint_accepts_an_equinox_module_and_a_string_in_the_batch():
+  # Issue 22 item 8: lint traced every leaf and crashed on relu and on "train".
+  mlp = eqx.nn.MLP(32, 16, 100, 1, key=jax.random.key(0))  # holds jax.nn.relu as a leaf
+  weights = {"scale": {"train": 1.0, "eval": 0.5}}
+
+  def loss_fn(model, batch):
+    logp = jax.nn.log_softmax(jax.vmap(model)(batch["x"]))
+    return -jnp.mean(logp[:, 0]) * weights["scale"][batch["split"]]  # a str key: not traced
+
+  batch = {"x": jnp.ones((8, 32)), "split": "train"}
+  found = jmp.precision_lint(loss_fn, mlp, batch, policy=F16)
+  assert [f.op for f in found] == ["dot_general", "softmax/logsumexp", "reduce_sum", "loss"]
+  assert "contracting size 100 not a multiple of 8" in found[0].reason  # the second layer
+  autocast = jmp.precision_lint(loss_fn, mlp, batch, policy=F16, autocast=True)
+  assert autocast == found[:1]
+  abstract = eqx.filter_eval_shape(lambda: mlp)  # ShapeDtypeStructs and the same relu
+  assert jmp.precision_lint(loss_fn, abstract, batch, policy=F16) == found
+
+
+def test_lint_accepts_a_string_leaf_in_the_batch():
+  # Issue 22 item 8, without Equinox: the only static leaf is the string.
+  loss_fn, params, batch = classifier_loss(100)
+  tagged = lambda p, b: loss_fn(p, b) * {"train": 1.0}[b["split"]]  # a str key: not traced
+  expected = jmp.precision_lint(loss_fn, params, batch, policy=F16)
+  found = jmp.precision_lint(tagged, params, {**batch, "split": "train"}, policy=F16)
+  assert [f.op for f in found] == [f.op for f in expected] == [
+      "dot_general", "dot_general", "softmax/logsumexp"]
+  assert [f.reason for f in found] == [f.reason for f in expected]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jmp_lite._src import autocast as autocast_lib
 from jmp_lite._src import checks
+from jmp_lite._src import filtering
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
@@ -178,7 +179,9 @@ def precision_lint(
   Args:
     fn: the function, typically ``loss_fn(params, batch)``.
     *args: example arguments: arrays, ``jax.ShapeDtypeStruct``s (same
-      findings), PRNG keys and any other leaves ``fn`` accepts.
+      findings), PRNG keys and any other leaves ``fn`` accepts (functions,
+      strings, an Equinox module's activation: static, passed through as
+      they are, as in the train step).
     policy: a :class:`Policy` or a policy string for :func:`get_policy`.
     autocast: lint ``fn`` under :func:`autocast` (default ``False``).
 
@@ -215,12 +218,15 @@ def precision_lint(
   if checks.boolean("autocast", autocast):
     fn = autocast_lib.autocast(fn, policy.compute_dtype)
 
-  def cast_args(*args: Any) -> Any:
+  traced, spec = filtering.partition(args)  # Static leaves (functions, strings): closed over.
+
+  def cast_args(traced: list[Any]) -> Any:
     # Cast inside the trace, where arrays and ShapeDtypeStructs are both tracers.
+    args = filtering.combine(traced, spec)
     cast = [policy.cast_to_compute(args[0])] if args else []
     return fn(*cast, *(tree_utils.cast_floating(a, policy.compute_dtype) for a in args[1:]))
 
-  jaxpr = jax.make_jaxpr(cast_args)(*args).jaxpr
+  jaxpr = jax.make_jaxpr(cast_args)(traced).jaxpr
   roots = jaxpr_utils.library_roots()
   findings: list[LintFinding] = []
   _lint_jaxpr(jaxpr, roots, findings, None)

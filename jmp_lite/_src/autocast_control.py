@@ -1,0 +1,251 @@
+"""Autocast's handlers for higher-order primitives: control flow, calls, custom rules.
+
+Each handler evaluates its primitive's sub-jaxprs with the interpreter
+(:func:`autocast_interpret.eval_jaxpr`) and binds the result again: a nested
+``jit`` is re-bound with its evaluated jaxpr (cached per input types); the
+others go through JAX's public APIs (``jax.lax.scan``, ``while_loop``,
+``switch``, ``jax.checkpoint``, ``jax.custom_jvp``/``custom_vjp``,
+``jax.shard_map``). A loop carry takes the widest dtype it has across
+iterations (:func:`_carry_fixpoint`), a ``cond`` output the widest across
+branches. :data:`HANDLERS` is the table that :mod:`autocast` registers.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jmp_lite._src import autocast_interpret as interp
+from jmp_lite._src import jaxpr_utils
+
+# Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches
+# a jitted function's jaxpr, so a function autocast sees again (a second call,
+# or a second use of the same jnp function) is interpreted once and compiled once.
+_JIT_CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+# jax.core is being slimmed down release by release; without Tracer, nothing is cached.
+_TRACER = getattr(getattr(jax, "core", None), "Tracer", None)
+
+
+def _no_tracers(closed: Any) -> bool:
+  """Whether ``closed`` may be cached: none of its constants is a tracer."""
+  return _TRACER is not None and not any(isinstance(c, _TRACER) for c in closed.consts)
+
+
+def _jit(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  closed = eqn.params["jaxpr"]
+  key = (cfg, tuple(jax.typeof(x) for x in ins))
+  per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
+  new = per_jaxpr.get(key)
+  if new is None:
+    new = jax.make_jaxpr(lambda *a: interp.eval_closed(closed, a, cfg))(*ins)
+    if _no_tracers(new):
+      per_jaxpr[key] = new
+  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": new})
+
+
+def _call(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  body = eqn.params["call_jaxpr"]
+  if isinstance(body, jex_core.ClosedJaxpr):
+    return interp.eval_closed(body, ins, cfg)
+  return interp.eval_jaxpr(body, (), ins, cfg)
+
+
+def _remat(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  p = eqn.params
+  body = lambda *a: interp.eval_jaxpr(p["jaxpr"], (), a, cfg)
+  return list(jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*ins))
+
+
+def _carry_fixpoint(
+    body: Any, consts: list[Any], init: list[Any], x_avals: list[Any], cfg: interp._Config
+) -> tuple[Any, list[Any]]:
+  """Traces ``body(consts, carry, xs) -> (carry, ys)`` until the carry dtypes are stable.
+
+  Each carry starts in its initial value's dtype and widens to what the body
+  returns (an f16 carry whose update runs in f32 becomes f32), so a loop never
+  narrows what autocast widened. A carry that reads another carry widens a
+  round after it, so a cascade of n carries takes n + 1 rounds. A round that
+  does not settle widens at least one carry, and dtypes only widen, so
+  ``len(init) * len(ELIGIBLE) + 1`` rounds always suffice. Each round traces
+  the carries with their own types (``jax.typeof``: shape, sharding and the
+  varying manual axes of a ``shard_map``) in the round's dtypes. Returns the
+  interpreted body and the dtypes.
+  """
+  dtypes = [interp.value_dtype(c) for c in init]
+  fn = lambda *a: interp.eval_closed(body, a, cfg)
+  for _ in range(len(init) * len(interp.ELIGIBLE) + 1):
+    carry_avals = [jax.typeof(c).update(dtype=d, weak_type=False) if d in interp.ELIGIBLE else c
+                   for c, d in zip(init, dtypes)]
+    closed = jax.make_jaxpr(fn)(*consts, *carry_avals, *x_avals)
+    out = [jaxpr_utils.dtype_of(v) for v in closed.jaxpr.outvars[:len(init)]]
+    joined = [interp.join(d, o) for d, o in zip(dtypes, out)]
+    if joined == dtypes:
+      return closed, dtypes
+    dtypes = joined
+  raise RuntimeError(f"autocast: loop carry dtypes did not settle (a bug), last {dtypes}")
+
+
+def _scan(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  p = eqn.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+  # The slices' types as traced (varying manual axes included), in the dtypes autocast gave xs.
+  x_avals = [a.update(dtype=jax.typeof(x).dtype, weak_type=False)
+             for a, x in zip(p["jaxpr"].in_avals[nc + nk:], xs)]
+  closed, dtypes = _carry_fixpoint(p["jaxpr"], consts, init, x_avals, cfg)
+
+  def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+    outs = jex_core.jaxpr_as_fun(closed)(*consts, *carry, *x)
+    return interp.cast_all(outs[:nk], dtypes), outs[nk:]
+
+  carry, ys = jax.lax.scan(step, interp.cast_all(init, dtypes), list(xs), length=p["length"],
+                           reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+def _while(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+  closed, dtypes = _carry_fixpoint(p["body_jaxpr"], body_consts, init, [], cfg)
+  cond = lambda carry: interp.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cfg)[0]
+  body = lambda carry: interp.cast_all(jex_core.jaxpr_as_fun(closed)(*body_consts, *carry), dtypes)
+  return list(jax.lax.while_loop(cond, body, interp.cast_all(init, dtypes)))
+
+
+def _cond(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  index, ops = ins[0], ins[1:]
+  closed = [jax.make_jaxpr(lambda *a, b=b: interp.eval_closed(b, a, cfg))(*ops)
+            for b in eqn.params["branches"]]
+  dtypes = [functools.reduce(interp.join, [jaxpr_utils.dtype_of(c.jaxpr.outvars[i])
+                                           for c in closed])
+            for i in range(len(eqn.outvars))]
+  branches = [lambda *a, c=c: interp.cast_all(jex_core.jaxpr_as_fun(c)(*a), dtypes) for c in closed]
+  return list(jax.lax.switch(index, branches, *ops))
+
+
+def _floating_indices(atoms: Sequence[Any]) -> list[int]:
+  return [i for i, v in enumerate(atoms) if jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))]
+
+
+def _with(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list[Any]:
+  out = list(xs)
+  for i, v in zip(idx, values):
+    out[i] = v
+  return out
+
+
+def _declared(atoms: Sequence[Any]) -> list[Any]:
+  """The traced types of ``atoms``, strongly typed (varying manual axes kept)."""
+  return [v.aval.update(weak_type=False) for v in atoms]
+
+
+def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  """A ``jax.custom_jvp`` whose primal and JVP rule both run under autocast.
+
+  The rule is the original one, reached through ``jax.jvp`` of the equation
+  applied as traced; its jaxpr (taken at the traced dtypes) is evaluated with
+  autocast on the actual primals and tangents, and the tangents are cast to
+  the primal outputs' dtypes.
+  """
+  fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
+  def primal(*xs: Any) -> list[Any]:
+    return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+
+  def tangents_as_traced(*flat: Any) -> Any:
+    xs, ts = flat[:len(ins)], flat[len(ins):]
+    f = lambda *fx: [interp.bind_original(eqn, _with(xs, fi, fx))[j] for j in fo]
+    return jax.jvp(f, [xs[i] for i in fi], list(ts))[1]
+
+  def rule(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    out = primal(*xs)
+    closed = jax.make_jaxpr(tangents_as_traced)(
+        *_declared(eqn.invars), *_declared([eqn.invars[i] for i in fi]))
+    t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
+    t_out = [np.zeros(np.shape(o), jax.dtypes.float0) for o in out]
+    t_out = _with(t_out, fo, interp.cast_all(t_float, [interp.value_dtype(out[j]) for j in fo]))
+    return out, t_out
+
+  f = jax.custom_jvp(primal)
+  f.defjvp(rule)
+  return list(f(*ins))
+
+
+def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  """A ``jax.custom_vjp`` whose primal, forward and backward rules run under autocast.
+
+  The original rules are reached through ``jax.vjp`` of the equation applied as
+  traced: its forward jaxpr (outputs and residuals, taken at the traced dtypes)
+  and its backward jaxpr (the pullback, from the residuals) are evaluated with
+  autocast, so residuals stay in the dtypes autocast computed them in and the
+  user's backward rule runs.
+  """
+  fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
+  in_dtypes = [interp.value_dtype(x) for x in ins]
+  pullback: dict[str, Any] = {}
+
+  def primal(*xs: Any) -> list[Any]:
+    return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+
+  def forward_as_traced(*xs: Any) -> list[Any]:
+    f = lambda *fx: interp.bind_original(eqn, _with(xs, fi, fx))
+    _, vjp_fn = jax.vjp(f, *[xs[i] for i in fi])
+    residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
+    return residuals
+
+  def backward_as_traced(*flat: Any) -> Any:
+    residuals, cts = flat[:len(pullback["avals"])], flat[len(pullback["avals"]):]
+    zeros = [np.zeros(v.aval.shape, jax.dtypes.float0) for v in eqn.outvars]
+    return jax.tree.unflatten(pullback["tree"], residuals)(_with(zeros, fo, cts))
+
+  def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
+    closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
+    pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
+    return primal(*xs), interp.eval_closed(closed, xs, cfg)
+
+  def bwd(residuals: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
+    closed = jax.make_jaxpr(backward_as_traced)(
+        *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
+    grads = interp.eval_closed(closed, [*residuals, *(cts[j] for j in fo)], cfg)
+    out: list[Any] = [None] * len(ins)
+    return tuple(_with(out, fi, interp.cast_all(grads, [in_dtypes[i] for i in fi])))
+
+  f = jax.custom_vjp(primal)
+  f.defvjp(fwd, bwd)
+  return list(f(*ins))
+
+
+def _shard_map(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  p = eqn.params
+
+  def body(*a: Any) -> tuple[Any, ...]:
+    return tuple(interp.eval_jaxpr(p["jaxpr"], (), a, cfg))
+
+  mapped = jax.shard_map(body, mesh=p["mesh"], in_specs=p["in_specs"], out_specs=p["out_specs"],
+                         check_vma=p["check_vma"], axis_names=p["newly_manual_axes"])
+  return list(mapped(*ins))
+
+
+# Each handler with the params it reads: a JAX release that renames them makes
+# the primitive run as traced (safe) instead of failing. autocast.py registers
+# them with the interpreter (interp.register_handler).
+HANDLERS: dict[str, tuple[interp.Handler, tuple[str, ...]]] = {
+    "jit": (_jit, ("jaxpr",)),
+    "closed_call": (_call, ("call_jaxpr",)),
+    "call": (_call, ("call_jaxpr",)),
+    "remat2": (_remat, ("jaxpr", "prevent_cse", "policy")),
+    "scan": (_scan, ("jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll")),
+    "while": (_while, ("cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts")),
+    "cond": (_cond, ("branches",)),
+    "custom_jvp_call": (_custom_jvp, ("call_jaxpr",)),
+    "custom_vjp_call": (_custom_vjp, ("call_jaxpr",)),
+    "shard_map": (_shard_map, ("jaxpr", "mesh", "in_specs", "out_specs", "check_vma",
+                               "newly_manual_axes")),
+}
