@@ -62,12 +62,16 @@ def test_lint_flags_f16_softmax_and_a_100_wide_dense():
 def test_lint_bf16_with_fp32_norms():
   # Only the tensor-core alignment rule applies to bf16: the softmax passes,
   # and the 100-wide Dense is flagged while a 128-wide one is not.
-  # (The float32 LayerNorm's output promotes the Dense(16) after it to float32,
-  # so its contracting size of 100 is not a bf16 matmul.)
+  # The float32 LayerNorm's output promotes the Dense(16) after it to float32:
+  # that matmul is flagged as running in float32 (not for its alignment).
   findings = jmp.precision_lint(*classifier_loss(100), policy=BF16_FP32_NORMS)
-  assert [f.op for f in findings] == ["dot_general"]
+  assert [f.op for f in findings] == ["dot_general", "dot_general"]
   assert "output features 100 not a multiple of 8 in bfloat16" in findings[0].reason
-  assert jmp.precision_lint(*classifier_loss(128), policy=BF16_FP32_NORMS) == []
+  assert findings[1].reason.startswith("runs in float32 although the policy computes in bfloat16")
+  assert "autocast=True" in findings[1].reason
+  assert [f.reason for f in jmp.precision_lint(*classifier_loss(128), policy=BF16_FP32_NORMS)
+          ] == [findings[1].reason]
+  assert jmp.precision_lint(*classifier_loss(128), policy=BF16_FP32_NORMS, autocast=True) == []
   assert [f.op for f in jmp.precision_lint(*classifier_loss(128), policy=F16)] == [
       "softmax/logsumexp"]
 

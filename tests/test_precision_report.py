@@ -119,3 +119,27 @@ def test_bad_arguments():
     jmp.precision_report("f", w, x)
   with pytest.raises(ValueError, match="kind must be one of"):
     jmp.precision_report(f, w, x).count("matmuls")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, None])
+def test_lint_flags_matmuls_that_a_pinned_model_runs_in_float32(dtype):
+  loss_fn, params, x = _pinned(dtype)
+  findings = jmp.precision_lint(loss_fn, params, x, policy="mixed_float16")
+  pinned = [f for f in findings if f.reason.startswith("runs in float32")]
+  assert len(pinned) == 8 and {f.op for f in pinned} == {"dot_general"}
+  assert all("autocast=True" in f.reason and "float16" in f.reason for f in pinned)
+  fixed = jmp.precision_lint(loss_fn, params, x, policy="mixed_float16", autocast=True)
+  assert not [f for f in fixed if f.reason.startswith("runs in float32")]
+
+
+def test_lint_under_autocast_reports_nothing_autocast_runs_in_float32():
+  def attention_loss(params, x):
+    q, k, v = (x @ params[n] for n in ("q", "k", "v"))
+    weights = jax.nn.softmax(q @ k.T / 4.0)  # exp, sum and div: float32 under autocast
+    return jnp.mean((weights @ v).astype(F32) ** 2)
+
+  params = {n: jnp.ones((16, 16)) * 0.1 for n in ("q", "k", "v")}
+  x = jnp.ones((8, 16))
+  plain = jmp.precision_lint(attention_loss, params, x, policy="mixed_float16")
+  assert {f.op for f in plain} >= {"softmax/logsumexp"}
+  assert jmp.precision_lint(attention_loss, params, x, policy="mixed_float16", autocast=True) == []

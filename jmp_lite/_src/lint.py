@@ -6,15 +6,12 @@ import math
 from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 
-from jmp_lite._src import autocast as autocast_lib
-from jmp_lite._src import checks
-from jmp_lite._src import filtering
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import tree_utils
+from jmp_lite._src import precision_report
+from jmp_lite._src import step_trace
 
 _F16 = np.dtype(jnp.float16)
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -56,73 +53,110 @@ def _to_f16(eqn: Any) -> bool:
           and np.dtype(eqn.params["new_dtype"]) == _F16)
 
 
-def _alignment(eqn: Any) -> Union[str, None]:
-  """Names the GEMM dims of a half dot/conv that are not multiples of 8."""
+class _Context(NamedTuple):
+  """What every level of the walk needs: source roots, the compute dtype, autocast."""
+
+  roots: tuple[str, ...]
+  compute: np.dtype
+  autocast: bool
+
+
+def _gemm_dims(eqn: Any) -> dict[str, int]:
+  """The GEMM dimensions of a dot or conv that hardware alignment applies to."""
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
   if eqn.primitive.name == "dot_general":
     (lhs_c, rhs_c), (_, rhs_b) = eqn.params["dimension_numbers"]
-    dims = {
+    return {
         "contracting size": math.prod(lhs[i] for i in lhs_c),
         "output features": math.prod(
             rhs[i] for i in range(len(rhs)) if i not in rhs_c and i not in rhs_b),
     }
-  else:
-    spec = eqn.params["dimension_numbers"]
-    dims = {"input channels": lhs[spec.lhs_spec[1]], "output channels": rhs[spec.rhs_spec[0]]}
-  bad = [f"{name} {size}" for name, size in dims.items() if size > 1 and size % 8]
+  spec = eqn.params["dimension_numbers"]
+  return {"input channels": lhs[spec.lhs_spec[1]], "output channels": rhs[spec.rhs_spec[0]]}
+
+
+def _alignment(eqn: Any, dtype: str) -> Union[str, None]:
+  """Names the GEMM dims of a half (multiple of 8) or float8 (16) dot/conv that miss it."""
+  fp8 = dtype.startswith("float8")
+  multiple = 16 if fp8 else 8
+  bad = [f"{name} {size}" for name, size in _gemm_dims(eqn).items()
+         if size > 1 and size % multiple]
   if not bad:
     return None
-  return (f"{' and '.join(bad)} not a multiple of 8 in "
-          f"{np.dtype(eqn.invars[0].aval.dtype).name}: "
+  if fp8:
+    return (f"{' and '.join(bad)} not a multiple of 16 in an FP8 matmul ({dtype}): "
+            "cuBLASLt's FP8 GEMMs need multiples of 16 (pad the layer)")
+  return (f"{' and '.join(bad)} not a multiple of 8 in {dtype}: "
           "tensor cores need multiples of 8 (pad the layer)")
 
 
+def _pinned(eqn: Any, dtype: str, compute: np.dtype) -> Union[str, None]:
+  """Why a float32 matmul/conv under a half policy is a finding, if it is one."""
+  if compute not in _HALF or dtype != "float32":
+    return None
+  return (f"runs in float32 although the policy computes in {compute.name}: a layer pins "
+          "its dtype (a Flax/Equinox layer built with dtype=float32 or None, or an "
+          "x.astype(float32) before it); build the step with autocast=True, or set the "
+          f"layer's dtype to {compute.name}")
+
+
 def _lint_jaxpr(
-    jaxpr: Any, roots: tuple[str, ...], findings: list[LintFinding], outer: Union[str, None]
+    jaxpr: Any, ctx: _Context, findings: list[LintFinding], outer: Union[str, None]
 ) -> None:
   """Appends the findings of ``jaxpr``; ``outer`` is the source of the eqn holding it."""
   def source(eqn: Any) -> Union[str, None]:
-    return jaxpr_utils.source_of(eqn, roots) or outer  # Sub-jaxprs may lack tracebacks.
+    return jaxpr_utils.source_of(eqn, ctx.roots) or outer  # Sub-jaxprs may lack tracebacks.
 
   readers = jaxpr_utils.consumers(jaxpr)
+  producers = {v: e for e in jaxpr.eqns for v in e.outvars}
   explained: set[int] = set()  # Sums and logs already reported as part of a softmax.
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     in_dtype = jaxpr_utils.dtype_of(eqn.invars[0]) if eqn.invars else None
-    if name == "exp" and in_dtype == _F16:
-      sums = jaxpr_utils.reaches(eqn.outvars[0], readers, _SHAPE_OPS,
-                                 lambda e: e.primitive.name in _REDUCTIONS)
-      if sums:
-        explained.update(id(e) for e in sums)
-        for e in sums:  # logsumexp's log of the sum.
-          explained.update(id(log) for log in jaxpr_utils.reaches(
-              e.outvars[0], readers, _SHAPE_OPS | {"abs"}, lambda e: e.primitive.name == "log"))
-        findings.append(LintFinding(
-            "softmax/logsumexp",
-            "exp and its sum computed in float16: exp overflows above 11.1 and the result "
-            "has 11 bits; cast the logits to float32 first",
-            source(eqn)))
-        continue
-    if id(eqn) in explained:
+    if name == "exp" and in_dtype == _F16 and _softmax(eqn, readers, explained):
+      findings.append(LintFinding(
+          "softmax/logsumexp",
+          "exp and its sum computed in float16: exp overflows above 11.1 and the result "
+          "has 11 bits; cast the logits to float32 first",
+          source(eqn)))
+    elif id(eqn) in explained:
       pass
     elif name in _F16_ELEMENTWISE and in_dtype == _F16:
       findings.append(LintFinding(name, _F16_ELEMENTWISE[name], source(eqn)))
     elif name in _REDUCTIONS:
-      if in_dtype == _F16:
-        reason = f"{name} accumulates in float16 (max 65504, 11-bit precision)"
-      elif jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16):
-        reason = (f"{name} of float16 data returns float16 (max 65504): "
-                  "reduce a float32 copy and keep the result in float32")
-      else:
-        reason = None
+      reason = _reduction(eqn, in_dtype, readers, ctx)
       if reason:
         findings.append(LintFinding(name, reason, source(eqn)))
-    elif name in ("dot_general", "conv_general_dilated") and in_dtype in _HALF:
-      reason = _alignment(eqn)
-      if reason:
-        findings.append(LintFinding(name, reason, source(eqn)))
+    elif name in ("dot_general", "conv_general_dilated"):
+      dtype = precision_report.matmul_dtype(eqn, producers)
+      for reason in (_pinned(eqn, dtype, ctx.compute), _alignment(eqn, dtype)):
+        if reason and (dtype != "float32" or reason.startswith("runs")):
+          findings.append(LintFinding(name, reason, source(eqn)))
     for sub in jaxpr_utils.subjaxprs(eqn):
-      _lint_jaxpr(sub, roots, findings, source(eqn))
+      _lint_jaxpr(sub, ctx, findings, source(eqn))
+
+
+def _softmax(eqn: Any, readers: Any, explained: set[int]) -> bool:
+  """Whether a float16 exp is summed (softmax/logsumexp); marks the sum and log explained."""
+  sums = jaxpr_utils.reaches(eqn.outvars[0], readers, _SHAPE_OPS,
+                             lambda e: e.primitive.name in _REDUCTIONS)
+  explained.update(id(e) for e in sums)
+  for e in sums:  # logsumexp's log of the sum.
+    explained.update(id(log) for log in jaxpr_utils.reaches(
+        e.outvars[0], readers, _SHAPE_OPS | {"abs"}, lambda e: e.primitive.name == "log"))
+  return bool(sums)
+
+
+def _reduction(eqn: Any, in_dtype: Any, readers: Any, ctx: _Context) -> Union[str, None]:
+  name = eqn.primitive.name
+  if in_dtype == _F16:
+    return f"{name} accumulates in float16 (max 65504, 11-bit precision)"
+  # Under autocast a float32 -> float16 convert of a computed value is kept wide;
+  # the converts left are autocast's own casts of half-list (matmul) inputs.
+  if not ctx.autocast and jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16):
+    return (f"{name} of float16 data returns float16 (max 65504): "
+            "reduce a float32 copy and keep the result in float32")
+  return None
 
 
 def precision_lint(
@@ -153,6 +187,10 @@ def precision_lint(
                                             of 8
   ``conv_general_dilated``                  input or output channels    f16, bf16
                                             not a multiple of 8
+  ``dot_general`` (FP8)                     a GEMM dimension not a      float8
+                                            multiple of 16
+  ``dot_general`` ``conv_general_dilated``  runs in float32 while the   f32
+                                            policy computes in half
   ``loss``                                  the first output is an f16  f16
                                             scalar
   ========================================  ==========================  ===========
@@ -172,8 +210,20 @@ def precision_lint(
   :func:`autocast` with ``policy.compute_dtype``, after the casts above.
   Autocast runs exp, log and the reductions in float32 and keeps their
   results in float32, so the ``softmax/logsumexp``, ``exp``/``log`` and
-  reduction findings go away; the alignment findings of its half-precision
-  matmuls and convolutions stay. Linting ``autocast(fn, dtype)`` itself gives
+  reduction findings go away (the float16 converts left are autocast's own
+  casts of matmul inputs, which are not flagged); the alignment findings of
+  its half-precision matmuls and convolutions stay, and the float32-matmul
+  findings of a model that pins its dtype go (autocast runs every matmul in
+  half).
+
+  A matmul or convolution that runs in float32 under a half policy is a
+  finding: a layer pinned its dtype (a Flax module built with
+  ``dtype=jnp.float32``, or ``dtype=None`` after an ``x.astype(None)``,
+  which is float32), and the step would silently train in float32. Use
+  ``autocast=True`` or set the layer's dtype; :func:`precision_report`
+  counts what runs in which dtype. A matmul on quantise-dequantised float8
+  operands (``autocast(..., fp8=...)``) is an FP8 GEMM: its dimensions must
+  be multiples of 16. Linting ``autocast(fn, dtype)`` itself gives
   the same findings.
 
   Args:
@@ -211,25 +261,11 @@ def precision_lint(
     >>> [f.op for f in precision_lint(loss_fn, params, x, policy="mixed_float16", autocast=True)]
     ['dot_general']
   """
-  if isinstance(policy, str):
-    policy = policy_lib.get_policy(policy)
-  if not isinstance(policy, policy_lib.Policy):
-    raise TypeError(f"policy must be a jmp_lite.Policy or a policy string, got {policy!r}")
-  if checks.boolean("autocast", autocast):
-    fn = autocast_lib.autocast(fn, policy.compute_dtype)
-
-  traced, spec = filtering.partition(args)  # Static leaves (functions, strings): closed over.
-
-  def cast_args(traced: list[Any]) -> Any:
-    # Cast inside the trace, where arrays and ShapeDtypeStructs are both tracers.
-    args = filtering.combine(traced, spec)
-    cast = [policy.cast_to_compute(args[0])] if args else []
-    return fn(*cast, *(tree_utils.cast_floating(a, policy.compute_dtype) for a in args[1:]))
-
-  jaxpr = jax.make_jaxpr(cast_args)(traced).jaxpr
+  policy = step_trace.as_policy(policy)
+  jaxpr = step_trace.trace(fn, args, policy, autocast)
   roots = jaxpr_utils.library_roots()
   findings: list[LintFinding] = []
-  _lint_jaxpr(jaxpr, roots, findings, None)
+  _lint_jaxpr(jaxpr, _Context(roots, np.dtype(policy.compute_dtype), autocast), findings, None)
   out = jaxpr.outvars[0] if jaxpr.outvars else None
   if out is not None and jaxpr_utils.dtype_of(out) == _F16 and out.aval.shape == ():
     producer = next((e for e in jaxpr.eqns if out in e.outvars), None)
