@@ -6,6 +6,7 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jmp_lite as jmp
@@ -143,3 +144,14 @@ def test_lint_under_autocast_reports_nothing_autocast_runs_in_float32():
   plain = jmp.precision_lint(attention_loss, params, x, policy="mixed_float16")
   assert {f.op for f in plain} >= {"softmax/logsumexp"}
   assert jmp.precision_lint(attention_loss, params, x, policy="mixed_float16", autocast=True) == []
+
+
+def test_a_matmul_with_a_literal_operand_is_counted():
+  # A scalar constant is inlined in the jaxpr as a Literal (not hashable):
+  # the float8 source walk must step over it, not crash.
+  def f(x):
+    return jax.lax.dot_general(x, np.float32(2.0), (((), ()), ((), ()))).sum()
+
+  report = jmp.precision_report(f, jnp.ones(3))
+  assert report.count("matmul", "float32") == 1
+  assert jmp.precision_lint(f, jnp.ones(3), policy="mixed_float16") is not None

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import numpy as np
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
@@ -99,7 +100,7 @@ def _float8_source(var: Any, producers: Mapping[Any, Any]) -> Union[np.dtype, No
       dtype = jaxpr_utils.dtype_of(v)
       if dtype is not None and dtype.itemsize == 1 and jaxpr_utils.is_floating(dtype):
         return dtype
-      eqn = producers.get(v)
+      eqn = producers.get(v) if isinstance(v, jex_core.Var) else None
       if eqn is not None and eqn.primitive.name in _DEQUANT_PATH:
         nxt.extend(eqn.invars)
     frontier = nxt
@@ -172,8 +173,8 @@ def precision_report(
 
   Args:
     fn: the function, e.g. ``loss_fn(params, batch)`` or ``model.apply``.
-    *args: example arguments: arrays, ``jax.ShapeDtypeStruct``s (nothing is
-      computed) and static leaves (an Equinox module's functions, strings).
+    *args: example arguments: arrays, ``jax.ShapeDtypeStruct`` values (nothing
+      is computed) and static leaves (an Equinox module's functions, strings).
     policy: a :class:`Policy` or policy string, or ``None`` (trace as given).
     autocast: trace ``fn`` under :func:`autocast` with the policy's compute dtype.
 
