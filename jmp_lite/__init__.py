@@ -24,8 +24,8 @@ from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
 from jmp_lite._src.policy import get_policy
 from jmp_lite._src.policy import half_dtype
-from jmp_lite._src.train import TrainState
-from jmp_lite._src.train import make_train_step
+from jmp_lite._src.train_state import TrainState
+from jmp_lite._src.step import make_train_step
 from jmp_lite._src.transform import LossScaleState
 from jmp_lite._src.transform import dynamic_loss_scaling
 from jmp_lite._src.transform import loss_scale_of
