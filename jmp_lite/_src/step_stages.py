@@ -224,7 +224,7 @@ def next_model_state(state: TrainState, new: Any, finite: jax.Array) -> Any:
 def step_metrics(
     config: StepConfig, scale: jax.Array, inputs: Inputs, grads: Gradients, guard: skip.Guarded
 ) -> dict[str, Any]:
-  """``loss``, ``grads_finite``, ``loss_scale``, ``grad_norm``, and ``aux``/``nonfinite`` (stage 6)."""
+  """The metrics: loss, grads_finite, loss_scale, grad_norm, aux, nonfinite (stage 6)."""
   metrics = {"loss": grads.loss, "grads_finite": guard.finite, "loss_scale": scale,
              "grad_norm": jnp.sqrt(guard.sumsq)}
   if config.has_aux:
