@@ -26,8 +26,8 @@ from jmp_lite._src.policy import get_policy
 from jmp_lite._src.policy import half_dtype
 from jmp_lite._src.precision_report import PrecisionReport
 from jmp_lite._src.precision_report import precision_report
-from jmp_lite._src.train import TrainState
-from jmp_lite._src.train import make_train_step
+from jmp_lite._src.train_state import TrainState
+from jmp_lite._src.step import make_train_step
 from jmp_lite._src.transform import LossScaleState
 from jmp_lite._src.transform import dynamic_loss_scaling
 from jmp_lite._src.transform import loss_scale_of

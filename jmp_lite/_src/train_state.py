@@ -1,0 +1,265 @@
+"""The train state: step counter, master params, optimizer state, and their checks.
+
+:class:`TrainState` owns its buffers (:meth:`TrainState.create` copies every
+leaf once, so a donating step only ever deletes the state's own arrays);
+:func:`check_masters` refuses, at trace time, a hand-built state whose masters
+do not match its declared ``master_dtype`` and ``rounding``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import DTypeLike
+
+from jmp_lite._src import masters
+from jmp_lite._src import transform
+from jmp_lite._src import tree_utils
+
+
+def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
+  """The state's own copy of a params leaf (see :meth:`TrainState.create`)."""
+  if isinstance(x, bool):
+    return jnp.asarray(x, jnp.bool_)
+  if isinstance(x, int):
+    return jnp.asarray(x, jnp.int32)
+  if isinstance(x, float):
+    return jnp.asarray(x, master_dtype)
+  if master_dtype == masters.BFLOAT16 and tree_utils.is_floating_array(x):
+    return jnp.array(x, dtype=master_dtype, copy=True)
+  if tree_utils.is_floating_array(x) and jnp.finfo(x.dtype).bits < 32:
+    return jnp.asarray(x, jnp.float32)
+  # A fresh, strongly typed buffer: donation only ever consumes the state's own.
+  if isinstance(x, jax.Array):
+    if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
+      return _own_key(x)
+    return jnp.array(x, dtype=x.dtype, copy=True)
+  if tree_utils.is_inexact_array(x):  # NumPy floating: a jax array, as before.
+    return jnp.array(x, copy=True)
+  return x
+
+
+def _own_key(key: jax.Array) -> jax.Array:
+  return jax.random.wrap_key_data(jnp.array(jax.random.key_data(key), copy=True),
+                                  impl=jax.random.key_impl(key))
+
+
+def _replicated_like(key: jax.Array, params: Any) -> jax.Array:
+  """``key`` replicated over the mesh of the first mesh-sharded params leaf, if any.
+
+  A key committed to one device next to params on a mesh would make the jitted
+  step refuse its arguments ("incompatible devices").
+  """
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      return jax.device_put(key, replicated)
+  return key
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """Step counter, master params and optimizer state. A pytree.
+
+  ``step``, ``params``, ``opt_state``, ``compensation`` and ``rounding_key``
+  are pytree children (``None`` is an empty child); ``tx``, ``master_dtype``
+  and ``rounding`` are static. Build it with :meth:`create`. It checkpoints
+  with ``orbax.checkpoint.StandardCheckpointer`` and restores into a template
+  made by :meth:`create` with the same arguments.
+
+  Attributes:
+    step: int32 scalar, the number of steps taken (skipped steps included);
+      it saturates at ``2**31 - 1``.
+    params: master params. Floating leaves are float32 (or float64), or
+      bfloat16 with ``master_dtype=bfloat16``; other leaves (int counters,
+      PRNG keys) are kept as they are and never updated.
+    opt_state: ``tx``'s state over the float32 view of the floating leaves of
+      ``params`` (non-floating leaves are ``None`` holes).
+    tx: the optax transformation.
+    compensation: with ``rounding="kahan"``, a bfloat16 array per bfloat16
+      leaf of ``params`` (``None`` at the other leaves) holding what rounding
+      the last update lost; else ``None``.
+    rounding_key: with ``rounding="stochastic"``, the PRNG key that step
+      ``t`` rounds with, as ``jax.random.fold_in(rounding_key, t)``; it never
+      changes. Else ``None``.
+    model_state: non-trainable model state (Flax ``batch_stats``, NNX RNG
+      counts and other non-param variables), or ``None``. The step passes it
+      to ``loss_fn`` and stores what ``loss_fn`` returns for it, except on a
+      skipped step; it is never differentiated and has no optimizer state.
+    master_dtype: ``float32`` (the default) or ``bfloat16``.
+    rounding: how updates are written back to bfloat16 masters:
+      ``"nearest"``, ``"stochastic"`` or ``"kahan"``.
+  """
+
+  step: jax.Array
+  params: optax.Params
+  opt_state: optax.OptState
+  tx: optax.GradientTransformation = dataclasses.field(metadata=dict(static=True))
+  compensation: optax.Params | None = None
+  rounding_key: jax.Array | None = None
+  model_state: Any = None
+  master_dtype: np.dtype = dataclasses.field(
+      default=masters.FLOAT32, metadata=dict(static=True)
+  )
+  rounding: str = dataclasses.field(default="nearest", metadata=dict(static=True))
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      params: optax.Params,
+      tx: optax.GradientTransformation,
+      master_dtype: DTypeLike = jnp.float32,
+      rounding: str = "nearest",
+      key: jax.Array | None = None,
+      model_state: Any = None,
+  ) -> "TrainState":
+    """A fresh state: step 0, master params and ``tx.init`` over them.
+
+    The state owns its buffers: every array leaf is copied once, so a donating
+    step only ever deletes the state's arrays, never the caller's. With
+    ``master_dtype=jnp.float32`` (the default), floating leaves narrower than
+    float32 (bf16, f16, f8) become float32, so the state holds full-precision
+    master weights; float32, float64 and complex leaves keep their dtype. With
+    ``master_dtype=jnp.bfloat16`` every floating leaf becomes bfloat16 (lean
+    masters, 2 bytes per weight); :func:`make_train_step` computes each update
+    in float32 and writes it back with ``rounding``. Python numbers become
+    strongly typed arrays (a float in the master dtype, int32, bool), and
+    weakly typed arrays become strong, so that every step sees the same types.
+    Non-floating leaves (int counters, PRNG keys) are kept (copied);
+    ``tx.init`` sees ``None`` in their place, and a float32 view of the
+    floating ones, so the optimizer state is float32 whatever the masters.
+
+    Args:
+      params: a pytree of parameters.
+      tx: an optax transformation, usually wrapped in
+        :func:`dynamic_loss_scaling` or :func:`static_loss_scaling`
+        (outermost).
+      master_dtype: ``jnp.float32`` or ``jnp.bfloat16``. float16 is refused:
+        its narrow exponent makes small weights and Kahan compensations
+        subnormal (see the "Lean master weights" guide, docs/masters.md).
+      rounding: ``"nearest"`` (the only choice for float32 masters),
+        ``"stochastic"`` (unbiased; needs ``key``) or ``"kahan"`` (a bfloat16
+        compensation buffer per floating leaf).
+      key: a PRNG key (``jax.random.key(seed)``), required for (and only for)
+        ``rounding="stochastic"``. The state keeps its own copy, replicated
+        over the params' mesh when they are sharded.
+      model_state: optional non-trainable state (see the class docstring),
+        owned and normalised like float32 ``params`` (floating leaves in
+        float32, whatever ``master_dtype``).
+
+    Returns:
+      A ``TrainState`` with ``step`` 0 (int32).
+
+    Raises:
+      TypeError: if ``tx`` is not an optax transformation, ``master_dtype`` is
+        not a dtype, ``rounding`` not a string or ``key`` not a PRNG key.
+      ValueError: if ``tx`` holds a loss-scaling transformation that is not
+        outermost, or more than one; for a ``master_dtype`` other than
+        float32 and bfloat16, an unknown ``rounding``, a ``rounding`` other
+        than ``"nearest"`` with float32 masters, or a missing or superfluous
+        ``key``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jmp_lite as jmp
+      >>> state = jmp.TrainState.create(params={"w": jnp.ones(2, jnp.bfloat16)}, tx=optax.sgd(0.1))
+      >>> state.params["w"].dtype, state.step.dtype
+      (dtype('float32'), dtype('int32'))
+      >>> lean = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.adam(1e-3),
+      ...                              master_dtype=jnp.bfloat16, rounding="kahan")
+      >>> lean.params["w"].dtype, lean.compensation["w"].dtype, lean.opt_state[0].mu["w"].dtype
+      (dtype(bfloat16), dtype(bfloat16), dtype('float32'))
+    """
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+      raise TypeError(f"tx must be an optax transformation, got {tx!r}")
+    master_dtype = masters.check_master_dtype(master_dtype)
+    rounding = masters.check_rounding(rounding)
+    masters.check_config(master_dtype, rounding)
+    if rounding == "stochastic" and key is None:
+      raise ValueError(
+          "rounding='stochastic' needs a PRNG key: TrainState.create(..., key=jax.random.key(seed))"
+      )
+    if rounding != "stochastic" and key is not None:
+      raise ValueError(f"key is only used with rounding='stochastic', got rounding={rounding!r}")
+    params = jax.tree.map(lambda x: _own_leaf(x, master_dtype), params)
+    compensation = masters.zero_compensation(params) if rounding == "kahan" else None
+    rounding_key = None
+    if key is not None:
+      rounding_key = _replicated_like(_own_key(masters.as_key(key)), params)
+    opt_state = tx.init(trained_part(masters.float32_view(params)))
+    transform.check_outermost(tx, opt_state)
+    return cls(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        tx=tx,
+        compensation=compensation,
+        rounding_key=rounding_key,
+        model_state=jax.tree.map(lambda x: _own_leaf(x, masters.FLOAT32), model_state),
+        master_dtype=master_dtype,
+        rounding=rounding,
+    )
+
+  def replace(self, **changes: Any) -> "TrainState":
+    """A copy with some fields replaced (``dataclasses.replace``)."""
+    return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(TrainState)
+
+
+def trained_part(params: optax.Params) -> optax.Params:
+  """The leaves the step differentiates and updates; the others are ``None``."""
+  return jax.tree.map(lambda x: x if tree_utils.is_inexact_array(x) else None, params)
+
+
+def check_masters(state: TrainState) -> None:
+  """Refuses masters the state does not declare (runs at trace time, so once per compile).
+
+  float32 masters (the default) must be float32 or float64; bfloat16 masters
+  must all be bfloat16, with the compensation or key their rounding needs.
+  """
+  master_dtype = masters.check_master_dtype(state.master_dtype)
+  rounding = masters.check_rounding(state.rounding)
+  masters.check_config(master_dtype, rounding)
+  lean = master_dtype == masters.BFLOAT16
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+    if not tree_utils.is_floating_array(leaf):
+      continue
+    if lean and leaf.dtype != master_dtype:
+      raise TypeError(
+          f"state.params must hold bfloat16 master weights (the state's master_dtype), "
+          f"but {tree_utils.path_str(path)!r} is {leaf.dtype}; build the state with "
+          "TrainState.create(..., master_dtype=jnp.bfloat16), which casts every floating leaf"
+      )
+    if not lean and jnp.finfo(leaf.dtype).bits < 32:
+      raise TypeError(
+          f"state.params must hold float32 (or float64) master weights, but "
+          f"{tree_utils.path_str(path)!r} is {leaf.dtype}; build the state with "
+          "TrainState.create, which upcasts half-precision params (or pass "
+          "master_dtype=jnp.bfloat16 to it for lean bfloat16 masters)"
+      )
+  if rounding != "kahan" and state.compensation is not None:
+    raise ValueError(f"state.compensation is only used with rounding='kahan', got {rounding!r}")
+  if rounding != "stochastic" and state.rounding_key is not None:
+    raise ValueError(f"state.rounding_key is only used with rounding='stochastic', got {rounding!r}")
+
+
+def step_rounding_key(state: TrainState) -> jax.Array | None:
+  """Step ``t``'s key, ``fold_in(rounding_key, t)``; ``None`` unless stochastic."""
+  if state.rounding != "stochastic":
+    return None
+  if state.rounding_key is None:
+    raise ValueError(
+        "state.rounding_key is missing: rounding='stochastic' needs one; build the "
+        "state with TrainState.create(..., key=jax.random.key(seed))"
+    )
+  return jax.random.fold_in(masters.as_key(state.rounding_key), state.step)
+

@@ -1,0 +1,77 @@
+"""Calling the step: static (non-array) batch leaves are compile-time values, checked per call."""
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jmp_lite as jmp
+
+
+def _problem():
+  traces = []
+
+  def loss_fn(params, batch):
+    traces.append(batch)
+    return jnp.sum(params["w"] * batch["x"]) * batch["scale"]
+
+  state = jmp.TrainState.create(params={"w": jnp.array([1.0, 2.0])}, tx=optax.sgd(0.5))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"), donate=False)
+  return state, step, traces
+
+
+def test_a_python_number_in_the_batch_is_static():
+  state, step, traces = _problem()
+  x = jnp.array([3.0, 4.0])
+  state, metrics = step(state, {"x": x, "scale": 2.0})
+  assert float(metrics["loss"]) == 22.0  # (1*3 + 2*4) * 2
+  assert traces[0]["scale"] == 2.0 and type(traces[0]["scale"]) is float  # Not traced.
+  assert state.params["w"].tolist() == [1.0 - 0.5 * 6.0, 2.0 - 0.5 * 8.0]
+  state, metrics = step(state, {"x": x, "scale": 2.0})  # The same value: no new trace.
+  assert len(traces) == 1
+  assert float(metrics["loss"]) == (-2.0 * 3.0 - 2.0 * 4.0) * 2.0
+
+
+@pytest.mark.parametrize(
+    "scale, described",
+    [(3.0, "3.0"), (2, "2"), (jnp.asarray(2.0), "an array")],
+    ids=["other-value", "other-type", "array"],
+)
+def test_a_changed_static_batch_leaf_is_refused(scale, described):
+  state, step, traces = _problem()
+  x = jnp.array([3.0, 4.0])
+  step(state, {"x": x, "scale": 2.0})
+  expected = (
+      r"a static \(non-array\) batch leaf changed value between calls of the same train step: "
+      rf"batch\['scale'\] was 2.0 on the first call and is {described} now\. .*"
+      r"pass an array \(jnp.asarray\) for a value that changes per step, or build another step"
+  )
+  with pytest.raises(ValueError, match=expected):
+    step(state, {"x": x, "scale": scale})
+  assert len(traces) == 1  # Refused before tracing.
+
+
+def test_an_array_where_the_first_call_had_one_may_change_value():
+  state, step, traces = _problem()
+  x = jnp.array([3.0, 4.0])
+  losses = [float(step(state, {"x": x, "scale": jnp.float32(s)})[1]["loss"]) for s in (2.0, 3.0)]
+  assert losses == [22.0, 33.0] and len(traces) == 1
+  expected = r"batch\['scale'\] was an array on the first call and is 3.0 now"
+  with pytest.raises(ValueError, match=expected):
+    step(state, {"x": x, "scale": 3.0})
+
+
+def test_a_string_in_the_batch_is_static_and_checked():
+  seen = []
+
+  def loss_fn(params, batch):
+    seen.append(batch["mode"])
+    return jnp.sum(params["w"] * batch["x"])
+
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), donate=False)
+  for _ in range(2):
+    _, metrics = step(state, {"x": jnp.array([1.0, 2.0]), "mode": "train"})
+  assert seen == ["train"] and float(metrics["loss"]) == 3.0
+  expected = r"batch\['mode'\] was 'train' on the first call and is 'eval' now"
+  with pytest.raises(ValueError, match=expected):
+    step(state, {"x": jnp.array([1.0, 2.0]), "mode": "eval"})

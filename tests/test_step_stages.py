@@ -1,0 +1,178 @@
+"""The train step's stages one by one: cast, gradient, guard, write-back, model state, metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jmp
+from conftest import assert_bitwise_equal
+from jmp_lite._src import step_stages as stages
+
+F16 = jmp.get_policy("mixed_float16")
+
+
+def _linear_loss(params, batch):
+  """sum(w * x) + b, in float32: d/dw = x, d/db = 1."""
+  return (jnp.sum(params["w"] * batch["x"]) + params["b"]).astype(jnp.float32)
+
+
+def _state(tx=None, **kwargs):
+  params = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.float32(0.25), "n": 7}
+  return jmp.TrainState.create(params=params, tx=tx or optax.sgd(0.5), **kwargs)
+
+
+BATCH = {"x": jnp.array([2.0, 4.0, -8.0]), "y": jnp.array([1, 2, 3], jnp.int32)}
+
+
+def _gradients(config, state, scale):
+  inputs = stages.cast_inputs(config, state, BATCH)
+  return inputs, stages.scaled_gradient(config, inputs, jnp.float32(scale))
+
+
+def test_cast_inputs_casts_params_model_state_and_floating_batch_leaves(maybe_jit):
+  state = _state(model_state={"mean": jnp.ones(3), "count": 2})
+  keep_b = jmp.Policy(jnp.float32, jnp.float16, jnp.float32, keep_full=("b",))
+  config = stages.StepConfig(_linear_loss, keep_b, batch_policy=F16)
+  inputs = maybe_jit(lambda s, b: stages.cast_inputs(config, s, b))(state, BATCH)
+  assert (inputs.params["w"].dtype, inputs.params["b"].dtype) == (jnp.float16, jnp.float32)
+  assert inputs.params["n"].dtype == jnp.int32 and int(inputs.params["n"]) == 7
+  assert inputs.trained["w"].dtype == jnp.float32 and inputs.trained["n"] is None
+  assert inputs.model_state["mean"].dtype == jnp.float16
+  assert inputs.model_state["count"].dtype == jnp.int32
+  assert (inputs.batch["x"].dtype, inputs.batch["y"].dtype) == (jnp.float16, jnp.int32)
+  assert inputs.params["w"].tolist() == [1.0, -2.0, 0.5]
+
+
+def test_cast_inputs_without_batch_policy_or_model_state_passes_them_through():
+  inputs = stages.cast_inputs(stages.StepConfig(_linear_loss, F16), _state(), BATCH)
+  assert inputs.batch is BATCH and inputs.model_state is None
+
+
+def test_cast_inputs_reads_bfloat16_masters_through_their_float32_view():
+  state = _state(master_dtype=jnp.bfloat16)
+  inputs = stages.cast_inputs(stages.StepConfig(_linear_loss, jmp.get_policy("f32")), state, BATCH)
+  assert inputs.trained["w"].dtype == jnp.float32 and inputs.params["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("scale", [1.0, 1024.0])
+def test_scaled_gradient_is_the_gradient_of_loss_times_scale(scale, maybe_jit):
+  config = stages.StepConfig(_linear_loss, F16, batch_policy=F16)
+  inputs, grads = maybe_jit(lambda s: _gradients(config, s, scale))(_state())
+  assert grads.loss.dtype == jnp.float32 and float(grads.loss) == 2.0 - 8.0 - 4.0 + 0.25
+  assert grads.grads["w"].dtype == jnp.float16  # The compute-dtype copy's gradient.
+  assert grads.grads["w"].tolist() == [2.0 * scale, 4.0 * scale, -8.0 * scale]
+  assert float(grads.grads["b"]) == scale and grads.grads["n"] is None
+  assert grads.model_state is None and grads.aux is None
+
+
+def test_scaled_gradient_splits_model_state_and_aux():
+  def loss_fn(params, model_state, batch):
+    loss = _linear_loss(params, batch)
+    return loss, ({"count": model_state["count"] + 1}, {"double": 2 * loss})
+
+  state = _state(model_state={"count": 5})
+  config = stages.StepConfig(loss_fn, jmp.get_policy("f32"), has_aux=True)
+  _, grads = _gradients(config, state, 1.0)
+  assert int(grads.model_state["count"]) == 6 and float(grads.aux["double"]) == 2 * -9.75
+
+
+def test_scaled_gradient_refuses_a_bad_loss():
+  config = stages.StepConfig(lambda p, b: jnp.ones(2), F16)
+  with pytest.raises(TypeError, match=r"float scalar loss; got shape \(2,\)"):
+    _gradients(config, _state(), 1.0)
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [lambda: optax.sgd(0.5), lambda: jmp.static_loss_scaling(optax.sgd(0.5), 4.0)],
+    ids=["plain", "scaler"],
+)
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "skipped"])
+def test_guarded_update_and_write_back(make_tx, bad):
+  state = _state(make_tx())
+  config = stages.StepConfig(_linear_loss, jmp.get_policy("f32"))
+  scale = jmp.loss_scale_of(state.opt_state)
+  inputs, grads = _gradients(config, state, scale)
+  if bad:
+    grads = grads._replace(grads=dict(grads.grads, w=grads.grads["w"].at[1].set(jnp.inf)))
+  guard, opt_state = stages.guarded_update(config, state, inputs, grads)
+  assert bool(guard.finite) is not bad
+  new = stages.write_back(state, guard, opt_state)
+  assert int(new.step) == 1 and new.compensation is None and int(new.params["n"]) == 7
+  if bad:
+    assert_bitwise_equal(new.params, state.params)
+    scaler = isinstance(state.opt_state, jmp.LossScaleState)
+    inner = [s.inner_state if scaler else s for s in (new.opt_state, state.opt_state)]
+    assert_bitwise_equal(*inner)  # Only the scaler's skip counter moves.
+    assert int(jmp.skipped_steps_of(new.opt_state)) == int(scaler)
+  else:
+    assert new.params["w"].tolist() == [1.0 - 1.0, -2.0 - 2.0, 0.5 + 4.0]
+    assert float(new.params["b"]) == 0.25 - 0.5
+    assert float(guard.sumsq) == 4.0 + 16.0 + 64.0 + 1.0
+
+
+def test_guarded_update_passes_extra_args_to_tx():
+  seen = {}
+
+  def update(updates, state, params=None, **extra):
+    seen.update(extra)
+    return updates, state
+
+  tx = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  state = _state(tx)
+  config = stages.StepConfig(_linear_loss, jmp.get_policy("f32"),
+                             extra_args=lambda loss, aux, batch: {"x0": batch["x"][0]})
+  inputs, grads = _gradients(config, state, 1.0)
+  stages.guarded_update(config, state, inputs, grads)
+  assert float(seen["value"]) == -9.75 and float(seen["x0"]) == 2.0
+
+
+def test_write_back_rounds_bfloat16_masters_like_apply_updates():
+  state = _state(master_dtype=jnp.bfloat16, rounding="kahan")
+  config = stages.StepConfig(_linear_loss, jmp.get_policy("f32"))
+  inputs, grads = _gradients(config, state, 1.0)
+  guard, opt_state = stages.guarded_update(config, state, inputs, grads)
+  assert guard.params is None  # bfloat16 masters are not updated inside the guard.
+  new = stages.write_back(state, guard, opt_state)
+  trained = ("w", "b")
+  expected, compensation = jmp.apply_updates(
+      {k: state.params[k] for k in trained}, {k: guard.updates[k] for k in trained},
+      rounding="kahan", compensation={k: state.compensation[k] for k in trained})
+  assert_bitwise_equal({k: new.params[k] for k in trained}, expected)
+  assert_bitwise_equal({k: new.compensation[k] for k in trained}, compensation)
+  assert int(new.params["n"]) == 7 and new.compensation["n"] is None
+  assert new.params["w"].dtype == jnp.bfloat16 and int(new.step) == 1
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_next_model_state_is_stored_in_its_dtypes_and_kept_when_skipped(finite, maybe_jit):
+  state = _state(model_state={"mean": jnp.array([1.5, 2.5]), "count": 3})
+  new = {"mean": jnp.array([3.0, 4.0], jnp.float16), "count": jnp.int32(4)}
+  out = maybe_jit(stages.next_model_state)(state, new, jnp.asarray(finite))
+  assert out["mean"].dtype == jnp.float32
+  expected = new if finite else state.model_state
+  np.testing.assert_array_equal(out["mean"], expected["mean"])
+  assert int(out["count"]) == int(expected["count"])
+  assert stages.next_model_state(_state(), None, jnp.asarray(True)) is None
+
+
+def test_next_model_state_refuses_another_structure():
+  state = _state(model_state={"mean": jnp.ones(2)})
+  with pytest.raises(TypeError, match="model state of another structure"):
+    stages.next_model_state(state, {"mean": jnp.ones(2), "extra": jnp.ones(2)}, jnp.asarray(True))
+
+
+def test_step_metrics_report_the_loss_the_guard_and_nonfinite_leaves():
+  state = _state()
+  config = stages.StepConfig(_linear_loss, F16, has_aux=False, track_nonfinite=True)
+  inputs, grads = _gradients(config, state, 2.0)
+  grads = grads._replace(grads=dict(grads.grads, b=jnp.float16(jnp.nan)))
+  guard, _ = stages.guarded_update(config, state, inputs, grads)
+  metrics = stages.step_metrics(config, jnp.float32(2.0), inputs, grads, guard)
+  assert set(metrics) == {"loss", "grads_finite", "loss_scale", "grad_norm", "nonfinite"}
+  assert float(metrics["loss"]) == -9.75 and float(metrics["loss_scale"]) == 2.0
+  assert not bool(metrics["grads_finite"]) and np.isnan(float(metrics["grad_norm"]))
+  nonfinite = {k: bool(v) for k, v in metrics["nonfinite"].items()}
+  assert nonfinite == {"w": False, "b": True, "n": False}
