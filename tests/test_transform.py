@@ -780,6 +780,10 @@ BAD_SCALER_CONFIGS = [
     (dict(init_scale=1e39, max_scale=math.inf), ValueError,  # inf in float32
      rf"init_scale must be {_F32_RANGE}.*got 1e\+39"),
     (dict(init_scale="big"), TypeError, r"init_scale must be a real number, got 'big'"),
+    # Concrete jax arrays are checked like numbers (issue 22 item 11).
+    (dict(init_scale=jnp.float32(np.inf)), ValueError, r"init_scale must be finite and > 0, got Array\(inf"),
+    (dict(init_scale=jnp.float32(np.nan)), ValueError, r"init_scale must be finite and > 0, got Array\(nan"),
+    (dict(min_scale=jnp.float32(0.0)), ValueError, r"min_scale must be finite and > 0, got Array\(0\."),
     (dict(growth_factor=1.0), ValueError, r"growth_factor must be finite and > 1, got 1\.0"),
     (dict(growth_factor=0.5), ValueError, r"growth_factor must be finite and > 1, got 0\.5"),
     (dict(growth_factor=math.nan), ValueError, r"growth_factor must be finite and > 1, got nan"),
