@@ -244,9 +244,8 @@ class StaticLossScale:
 def _float_leaf(value: Any, name: str, default_dtype: Any) -> Any:
   """A scale field: Python numbers become strong arrays; arrays are kept.
 
-  Pytree unflattening may pass tracers, ``ShapeDtypeStruct``s or sentinel
-  objects, which pass through untouched. An integer scale works in float32
-  after jmp's warning.
+  Tracers, ``ShapeDtypeStruct``s (``jax.eval_shape``) and other objects pass
+  through untouched. An integer scale works in float32 after jmp's warning.
   """
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a floating number, got {value!r}")
