@@ -101,7 +101,6 @@ def regression_loss(params, batch):
 
 # ------------------------------------------- reference models of the scale schedules
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -119,13 +118,14 @@ def gradscaler_model(pattern, init_scale, growth_factor, backoff_factor, growth_
         tracker = 0
 
   jmp_lite adds ``scale = max(scale, min_scale)`` after a backoff and
-  ``scale = min(scale, max_scale)`` after a growth, saturates the tracker at
-  int32 max, and counts skipped steps (all, and the current run).
+  ``scale = min(scale, max_scale, 2**126)`` after a growth, saturates the
+  tracker at int32 max, and counts skipped steps (all, and the current run).
 
   Args:
     pattern: one bool per step, True where the gradients are finite.
     init_scale, growth_factor, backoff_factor, growth_interval: GradScaler's.
-    min_scale, max_scale: the floor and the cap (a cap above float32 max is none).
+    min_scale, max_scale: the floor and the cap (a cap above 2**126, the
+      largest usable scale, is 2**126).
 
   Returns:
     ``(used, after)``: the scale used on each step, and after each step the
@@ -134,7 +134,7 @@ def gradscaler_model(pattern, init_scale, growth_factor, backoff_factor, growth_
   f32 = np.float32
   scale, tracker, skipped, consecutive = f32(init_scale), 0, 0, 0
   lo = f32(min_scale)
-  hi = f32(max_scale) if max_scale <= _F32_MAX else f32(np.inf)
+  hi = f32(min(max_scale, 2.0**126))
   used, after = [], []
   for finite in pattern:
     used.append(scale)

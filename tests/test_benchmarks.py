@@ -25,6 +25,7 @@ import pytest
 
 from benchmarks import autocast
 from benchmarks import cpu_profile
+from benchmarks import kahan_limits
 from benchmarks import masters
 from benchmarks import measure
 from benchmarks import models
@@ -407,3 +408,46 @@ def test_time_once_checks_the_last_output_of_each_sample():
   with pytest.raises(RuntimeError, match="bf16_kahan: a step was skipped while timing"):
     measure.time_once(live, None, 2)
   assert len(live.cpu_times) == 2
+
+
+# --- benchmarks.kahan_limits (issue 22, item 15) -------------------------------------------
+
+
+def test_kahan_limits_bf16_compensation_stalls_below_its_limit():
+  """The measured limit: bf16-Kahan does not move at u=1e-6 and tracks float32 at 1e-4."""
+  result = kahan_limits.run(256, 2000, (1e-6, 1e-4), seed=0)
+  small, large = (row["variants"] for row in result["rows"])
+  assert small["bf16_kahan"]["moved"] == 0.0 and small["bf16_nearest"]["moved"] == 0.0
+  assert small["fp32"]["moved"] == 1.0
+  # The compensation stalls near 2**8 * u: a fraction of the 2000 updates survives.
+  assert 0.05 < small["bf16_kahan"]["master_drift_vs_fp32"] < 0.5
+  # A float32 compensation holds them all (to float32's own rounding of each update).
+  assert abs(small["bf16_kahan_f32c"]["master_drift_vs_fp32"] - 1) < 0.05
+  for name in ("bf16_kahan", "bf16_kahan_f32c"):
+    assert large[name]["moved"] == 1.0
+    assert abs(large[name]["master_drift_vs_fp32"] - 1) <= kahan_limits.TOLERANCE
+  limits = result["limits"]["limit"]
+  assert limits["bf16_nearest"] is None
+  assert limits["bf16_kahan_f32c"] <= 1e-6 < 1e-5 <= limits["bf16_kahan"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_kahan_limits_smoke(tmp_path):
+  proc, out, files = _smoke_run("benchmarks.kahan_limits", tmp_path)
+  assert [f.suffix for f in files] == [".json", ".md"]
+  assert files[0].stem.startswith("kahan-limits-cpu-")
+  result = json.loads(files[0].read_text())
+  assert result["meta"]["command"] == f"python -m benchmarks.kahan_limits --smoke --out {out}"
+  assert [row["update"] for row in result["rows"]] == list(kahan_limits.SMOKE_UPDATES)
+  assert set(result["limits"]["limit"]) == set(kahan_limits.VARIANTS)
+  assert result["bytes_per_param"]["bf16_kahan_f32c"] == 6
+  md = files[1].read_text()
+  assert md in proc.stdout and "| 1e-04 |" in md
+
+
+def test_kahan_limits_help_states_every_default(capsys):
+  with pytest.raises(SystemExit):
+    kahan_limits.build_parser().parse_args(["--help"])
+  text = capsys.readouterr().out
+  for flag, default in [("--weights", "4096"), ("--steps", "2000"), ("--seed", "0")]:
+    assert flag in text and f"(default: {default})" in text

@@ -3,7 +3,11 @@ is in the API reference, and every Python block of the README and the guides run
 
 Code blocks run page by page: the ```` ```python ```` blocks of one page are
 executed in order in one fresh namespace, so a page's snippets may build on each
-other but never on another page's. A block preceded by the line
+other but never on another page's. A block that uses a name it does not define
+(found statically, with :mod:`symtable`) must say so on its first line,
+``# continues the block above``, and only such a block may say it: a reader who
+copies one block sees at once whether it runs alone. A page's run must leave
+nothing in the temp folder. A block preceded by the line
 ``<!-- devices: 4 -->`` needs 4 devices: its whole page then runs in a
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. A block
 preceded by ``<!-- not-run: <reason> -->`` is not executed, and the list of
@@ -12,11 +16,14 @@ those blocks must equal ``NOT_RUN`` below, so that nothing is skipped silently.
 
 from __future__ import annotations
 
+import builtins
 import os
 import pathlib
 import re
 import subprocess
+import symtable
 import sys
+import tempfile
 
 import pytest
 
@@ -31,6 +38,8 @@ NOT_RUN = {
     ("docs/sharding.md", "import jax"):
         "multi-host: needs jax.distributed.initialize and one process per host",
 }
+
+CONTINUES = "# continues the block above"
 
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _MARKER = re.compile(r"<!--\s*(not-run|devices):\s*(.*?)\s*-->\s*$")
@@ -65,6 +74,44 @@ def _runnable(page: pathlib.Path) -> tuple[str, bool]:
   return "\n".join(parts), devices
 
 
+def _free_names(code: str) -> set[str]:
+  """Names that ``code`` reads but neither defines nor imports (builtins excluded).
+
+  Module-level reads, and reads of globals inside its functions, classes and
+  comprehensions, count; names local to those scopes do not.
+  """
+  top = symtable.symtable(code, "<block>", "exec")
+  defined = {s.get_name() for s in top.get_symbols()
+             if s.is_assigned() or s.is_imported() or s.is_namespace()}
+  used = set()
+  tables = [top]
+  while tables:
+    table = tables.pop()
+    used |= {s.get_name() for s in table.get_symbols()
+             if s.is_referenced() and (table is top or s.is_global())}
+    tables.extend(table.get_children())
+  return used - defined - set(dir(builtins))
+
+
+def test_free_names_finds_what_a_block_borrows():
+  code = "import jax\nx = f(y)\ndef g(a):\n  return [a + z + x for _ in jax.numpy.ones(2)]\n"
+  assert _free_names(code) == {"f", "y", "z"}
+  assert _free_names("class C:\n  n = len(w)\nprint(C)\n") == {"w"}
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=_rel)
+def test_a_block_that_needs_the_one_above_says_so(page):
+  for i, (code, kind, _) in enumerate(_blocks(page)):
+    if kind == "not-run":
+      continue
+    free, says = sorted(_free_names(code)), code.startswith(CONTINUES)
+    where = f"{_rel(page)} block {i} ({code.splitlines()[0]!r})"
+    assert not (says and i == 0), f"{where}: the first block of a page continues nothing"
+    assert says == bool(free), (
+        f"{where} uses {free}, defined above it: start it with {CONTINUES!r}, or make it "
+        "runnable alone" if free else f"{where} runs alone: drop its {CONTINUES!r} line")
+
+
 def test_not_run_blocks_are_the_expected_ones():
   found = {}
   for page in PAGES:
@@ -86,8 +133,18 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
   code, devices = _runnable(page)
   if not code:
     pytest.skip("every block of this page is marked not-run (see NOT_RUN)")
+  # The page's temp folder, which it must leave empty (a checkpoint left in
+  # /tmp on every run was issue 22, item 17b).
+  temp = tmp_path / "temp"
+  temp.mkdir()
+  _run_page(page, code, devices, tmp_path, temp, monkeypatch)
+  assert not list(temp.iterdir()), f"{_rel(page)} left {sorted(temp.iterdir())} in the temp folder"
+
+
+def _run_page(page: pathlib.Path, code: str, devices: bool, tmp_path: pathlib.Path,
+              temp: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
   if devices:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=4").strip()
     script = tmp_path / "page.py"
@@ -97,6 +154,7 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
     assert proc.returncode == 0, f"{_rel(page)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return
   monkeypatch.chdir(tmp_path)  # Snippets may write files (plots, checkpoints).
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
   namespace = {"__name__": "__docs__"}
   exec(compile(code, _rel(page), "exec"), namespace)
 

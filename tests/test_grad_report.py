@@ -105,7 +105,7 @@ def test_suggested_scale_is_the_largest_power_of_two_with_headroom(maybe_jit, dt
   fmax = float(jnp.finfo(dtype).max)
   assert np.log2(s) == int(np.log2(s))
   assert max_abs * s * 2 <= fmax
-  assert s == 2.0**127 or fmax < max_abs * (2 * s) * 2  # Largest, up to float32's clamp.
+  assert s == 2.0**126 or fmax < max_abs * (2 * s) * 2  # Largest, up to the 2**126 clamp.
   at_s = jmp.gradient_report(g, dtype=dtype, loss_scale=s)
   assert float(at_s.overflow_fraction) == 0.0
   assert float(at_s.underflow_fraction) <= float(r.underflow_fraction)
@@ -121,7 +121,7 @@ def test_all_zero_gradients():
   assert float(r.underflow_fraction) == 0.0 and float(r.overflow_fraction) == 0.0
   assert float(r.per_leaf["h"].zero_fraction) == 0.0
   assert float(r.zero_fraction) == 1.0
-  assert float(r.suggested_loss_scale) == 2.0**127
+  assert float(r.suggested_loss_scale) == 2.0**126
 
 
 def test_f16_gradient_leaves():
@@ -328,3 +328,43 @@ def test_nonfinite_paths_names_the_leaves_of_an_overflowing_norm():
 def test_gradient_report_on_an_empty_tree(tree):
   with pytest.raises(ValueError, match=r"gradient_report needs a pytree with floating array leaves, got"):
     jmp.gradient_report(tree)
+
+
+# --- issue 22 (hardening, round 3) -------------------------------------------
+
+
+def test_float64_max_abs_is_kept_and_an_overflow_is_never_grown_into():
+  """Item 3: max_abs lives in the leaves' own wide dtype; a float32 max_abs was inf."""
+  with jax.enable_x64(True):
+    r = jmp.gradient_report({"w": jnp.array([1e300, 1.0], jnp.float64)})  # float16 at scale 1
+    assert float(r.overflow_fraction) == 0.5
+    assert r.max_abs.dtype == jnp.float64 and float(r.max_abs) == 1e300
+    assert float(r.per_leaf["w"].max_abs) == 1e300
+    # 1e300 overflows float16 at every float32 scale: the smallest one, not 2^14.
+    assert float(r.suggested_loss_scale) == 2.0**-126
+    r32 = jmp.gradient_report({"w": jnp.array([1e39, 1.0], jnp.float64)}, dtype=jnp.float32)
+    assert float(r32.max_abs) == 1e39 and float(r32.overflow_fraction) == 0.5
+    assert float(r32.suggested_loss_scale) == 0.125  # 1e39 * 0.125 * 2 <= 3.4e38 < 1e39 * 0.5
+    at_s = jmp.gradient_report({"w": jnp.array([1e39, 1.0], jnp.float64)}, dtype=jnp.float32,
+                               loss_scale=0.125)
+    assert float(at_s.overflow_fraction) == 0.0
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_a_suggestion_never_grows_a_scale_that_overflows(maybe_jit, bad, dtype):
+  """Finite values that fit would suggest more; a non-finite element caps it at loss_scale / 2."""
+  g = {"w": jnp.array([bad, 1.0, 2.0**-20], jnp.float32)}
+  r = report_fn(maybe_jit, dtype)(g, 2.0**4)
+  assert float(r.overflow_fraction) == pytest.approx(1 / 3)
+  assert float(r.suggested_loss_scale) == 2.0**3
+  # Without the bad element the same values suggest growing.
+  clean = report_fn(maybe_jit, dtype)({"w": g["w"][1:]}, 2.0**4)
+  assert float(clean.overflow_fraction) == 0.0 and float(clean.suggested_loss_scale) > 2.0**4
+
+
+def test_the_largest_suggestion_is_the_largest_usable_scale():
+  """2**126, as for the scalers: 1 / 2**127 flushes to 0 (item 2)."""
+  assert float(jmp.gradient_report({"g": jnp.zeros(3)}).suggested_loss_scale) == 2.0**126
+  r = jmp.gradient_report({"g": jnp.array([2.0**-100])}, dtype=jnp.float32)
+  assert float(r.suggested_loss_scale) == 2.0**126

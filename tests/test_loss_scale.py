@@ -98,10 +98,21 @@ def test_float16_loss_scale_adjusts_without_crash_or_inf(maybe_jit):
     assert ls.adjust(jnp.array(True)).loss_scale.dtype == jnp.float16
 
 
-def test_growth_never_overflows_f32():
-  ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**127), period=1)
-  out = ls.adjust(jnp.array(True))
-  assert np.isfinite(float(out.loss_scale)) and float(out.loss_scale) == 2.0**127
+def test_growth_stops_at_2_to_the_126(maybe_jit):
+  """Issue 22 item 2: jmp grows to 2**127, whose reciprocal XLA flushes to 0."""
+  adjust = maybe_jit(lambda s: s.adjust(jnp.array(True)))
+  for start in (2.0**125, 1.5 * 2.0**125, 2.0**126):  # 1.5 * 2**126 would be finite: clipped.
+    ls = jmp_lite.DynamicLossScale(jnp.float32(start), period=1)
+    scales = []
+    for _ in range(3):
+      ls = adjust(ls)
+      scales.append(float(ls.loss_scale))
+    assert scales == [2.0**126] * 3, start
+  grads = {"w": jnp.array([0.5, -3.0, 1e-3], jnp.float32)}
+  np.testing.assert_array_equal(maybe_jit(ls.unscale)(ls.scale(grads))["w"], grads["w"])
+  # A growth that overflows to inf still keeps the scale, as jmp's does.
+  ls = jmp_lite.DynamicLossScale(jnp.float32(2.0**120), period=1, factor=2.0**10)
+  assert float(adjust(ls).loss_scale) == 2.0**120
 
 
 @pytest.mark.parametrize("finites", [[True] * 5 + [False] + [True] * 4, [False] * 3 + [True] * 6])
@@ -270,3 +281,56 @@ def test_select_tree_rejects_bad_pred(pred, exc, match):
   a = {"x": jnp.ones(2)}
   with pytest.raises(exc, match=match):
     jmp_lite.select_tree(pred, a, a)
+
+
+# ---------------------------------------------------------------- issue 22 (hardening, round 3)
+
+
+BAD_CONCRETE = [np.inf, -np.inf, np.nan, 0.0, -2.0]
+
+
+@pytest.mark.parametrize("make", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("value", BAD_CONCRETE, ids=str)
+def test_concrete_jax_scales_are_checked(value, make):
+  """Item 11: a concrete jax array is as checkable as a NumPy number."""
+  match = r"loss_scale must be finite and > 0, got Array\("
+  with pytest.raises(ValueError, match=match):
+    jmp_lite.DynamicLossScale(make(value))
+  with pytest.raises(ValueError, match=match):
+    jmp_lite.StaticLossScale(make(value))
+  if value != 0.0:
+    with pytest.raises(ValueError, match=r"min_loss_scale must be finite and >= 0, got Array\("):
+      jmp_lite.DynamicLossScale(jnp.float32(2.0), min_loss_scale=make(value))
+  with pytest.raises(ValueError, match=r"counter must be an int >= 0, got Array\(-1"):
+    jmp_lite.DynamicLossScale(jnp.float32(2.0), counter=jnp.int32(-1))
+
+
+@pytest.mark.parametrize("value", [2.0**127, 2.0**-127, np.float32(2.0**127)], ids=str)
+def test_scales_whose_reciprocal_is_not_normal_are_refused(value):
+  """Item 2: 1 / 2**127 is a float32 subnormal, which XLA flushes to 0."""
+  match = r"loss_scale must be in \[2\*\*-126, 2\*\*126\].*so that 1/loss_scale is a normal float32"
+  for make in (lambda v: v, jnp.float32):
+    with pytest.raises(ValueError, match=match):
+      jmp_lite.DynamicLossScale(make(value))
+    with pytest.raises(ValueError, match=match):
+      jmp_lite.StaticLossScale(make(value))
+  with pytest.raises(ValueError, match=r"min_loss_scale must be at most 2\*\*126"):
+    jmp_lite.DynamicLossScale(2.0, min_loss_scale=2.0**127)
+
+
+def test_traced_scales_are_not_checked_and_rebuilds_are_not_validated():
+  """Only tracers skip the check; pytree rebuilds (jit outputs, tree maps) are not constructions."""
+  inf = jnp.float32(np.inf)
+  assert np.isinf(float(jax.jit(lambda s: jmp_lite.DynamicLossScale(s).loss_scale)(inf)))
+  assert np.isinf(float(jax.jit(lambda s: jmp_lite.StaticLossScale(s).scale(s))(inf)))
+  ls = jmp_lite.DynamicLossScale(jnp.float32(8.0), counter=jnp.int32(3), period=5,
+                                 min_loss_scale=jnp.float32(0.5))
+  zeros = jax.tree.map(jnp.zeros_like, ls)  # Not a ValueError: a rebuild is not a construction.
+  assert float(zeros.loss_scale) == 0.0 and zeros.period == 5
+  same = jax.tree.unflatten(jax.tree.structure(ls), jax.tree.leaves(ls))
+  assert [float(x) for x in jax.tree.leaves(same)] == [8.0, 3.0, 0.5]
+  assert jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(ls)[0][2][0]) == ".min_loss_scale"
+  # adjust does not re-validate either: with a floor of 0 the scale may underflow to 0
+  # (a configuration jmp allows), eagerly as under jit.
+  tiny = jmp_lite.DynamicLossScale(jnp.float32(2.0**-126), factor=2.0**10, min_loss_scale=0.0)
+  assert float(tiny.adjust(jnp.array(False)).loss_scale) == 0.0

@@ -202,10 +202,57 @@ def test_scale_sequence_fixed_pattern(jit):
 def test_growth_that_overflows_float32_keeps_the_scale():
   """max_scale=inf: like GradScaler, a growth to inf is not taken."""
   tx = jmp.dynamic_loss_scaling(
-      optax.sgd(0.1), init_scale=2.0**127, growth_interval=1, max_scale=float("inf")
+      optax.sgd(0.1), init_scale=2.0**120, growth_factor=2.0**10, growth_interval=1,
+      max_scale=float("inf"),
   )
   scales, _ = run_pattern(tx, [False, False, True], jit=False)
-  np.testing.assert_array_equal(scales, np.float32([2.0**127, 2.0**127, 2.0**126]))
+  np.testing.assert_array_equal(scales, np.float32([2.0**120, 2.0**120, 2.0**119]))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("max_scale", [math.inf, 2.0**127, F32_MAX], ids=["inf", "2^127", "f32max"])
+def test_growth_without_a_cap_stops_at_2_to_the_126(max_scale, jit):
+  """Issue 22 item 2: 2**127 has a subnormal reciprocal that XLA flushes to 0.
+
+  A growth that stays finite (2**117 * 2**10 = 2**127, 1.5 * 2**125 * 2) is
+  clipped to 2**126; a growth to inf keeps the scale (previous test).
+  """
+  for init, factor, expected in [(2.0**125, 2.0, [2.0**126] * 3),
+                                 (2.0**117, 2.0**10, [2.0**126] * 3),
+                                 (1.5 * 2.0**125, 2.0, [2.0**126] * 3)]:
+    tx = jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=init, growth_factor=factor,
+                                  growth_interval=1, max_scale=max_scale)
+    scales, _ = run_pattern(tx, [False, False, False], jit=jit)
+    np.testing.assert_array_equal(scales, np.float32(expected))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_gradients_unscale_exactly_at_2_to_the_126(jit):
+  """At the largest scale the unscaled gradients are the true ones, and the step is applied."""
+  tx = jmp.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**126, max_scale=math.inf)
+  params = {"w": jnp.ones(4, jnp.float32), "h": jnp.ones(2, jnp.float16)}
+  true = {"w": jnp.array([0.5, -1.5, 1e-3, 3.75], jnp.float32),  # 4 * 2**126 is inf.
+          "h": jnp.array([2.0**-20, -1.0], jnp.float32)}
+  scaled = {"w": true["w"] * 2.0**126, "h": (true["h"] * 2.0**126).astype(jnp.float32)}
+  update = jax.jit(tx.update) if jit else tx.update
+  updates, state = update(scaled, tx.init(params), params)
+  np.testing.assert_array_equal(updates["w"], -true["w"])
+  np.testing.assert_array_equal(updates["h"], -true["h"])
+  assert int(state.skipped_steps) == 0 and float(state.loss_scale) == 2.0**126
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(init_scale=2.0**127, max_scale=math.inf),
+    dict(init_scale=2.0**127, max_scale=2.0**127),
+    dict(init_scale=1.0, min_scale=2.0**127, max_scale=math.inf),
+], ids=["init-inf-cap", "init-at-cap", "min"])
+def test_scales_above_2_to_the_126_are_refused(kwargs):
+  name = "min_scale" if "min_scale" in kwargs else "init_scale"
+  with pytest.raises(ValueError, match=rf"{name} must be in \[2\*\*-126, 2\*\*126\].*"
+                     rf"so that 1/{name} is a normal float32.*got 1\.7014118346046923e\+38"):
+    jmp.dynamic_loss_scaling(optax.sgd(0.1), **kwargs)
+  with pytest.raises(ValueError, match=r"scale must be in \[2\*\*-126, 2\*\*126\]"):
+    jmp.static_loss_scaling(optax.sgd(0.1), 2.0**127)
 
 
 # ------------------------------------------------------------------- finite step
@@ -723,7 +770,7 @@ def test_sharded_step_skips_on_every_device_together():
 # ------------------------------------------- bad input: messages name the value and what is allowed
 
 
-_F32_RANGE = r"within float32's normal range \[1\.17549.*e-38, 3\.40282.*e\+38\]"
+_F32_RANGE = r"in \[2\*\*-126, 2\*\*126\] \(about 1\.2e-38 to 8\.5e\+37\) so that 1/\w+ is a normal float32"
 
 BAD_SCALER_CONFIGS = [
     (dict(init_scale=0.0), ValueError, r"init_scale must be finite and > 0.*got 0\.0"),
@@ -731,8 +778,12 @@ BAD_SCALER_CONFIGS = [
     (dict(init_scale=math.inf), ValueError, r"init_scale must be finite and > 0.*got inf"),
     (dict(init_scale=math.nan), ValueError, r"init_scale must be finite and > 0.*got nan"),
     (dict(init_scale=1e39, max_scale=math.inf), ValueError,  # inf in float32
-     rf"init_scale must be finite and > 0, {_F32_RANGE}, got 1e\+39"),
+     rf"init_scale must be {_F32_RANGE}.*got 1e\+39"),
     (dict(init_scale="big"), TypeError, r"init_scale must be a real number, got 'big'"),
+    # Concrete jax arrays are checked like numbers (issue 22 item 11).
+    (dict(init_scale=jnp.float32(np.inf)), ValueError, r"init_scale must be finite and > 0, got Array\(inf"),
+    (dict(init_scale=jnp.float32(np.nan)), ValueError, r"init_scale must be finite and > 0, got Array\(nan"),
+    (dict(min_scale=jnp.float32(0.0)), ValueError, r"min_scale must be finite and > 0, got Array\(0\."),
     (dict(growth_factor=1.0), ValueError, r"growth_factor must be finite and > 1, got 1\.0"),
     (dict(growth_factor=0.5), ValueError, r"growth_factor must be finite and > 1, got 0\.5"),
     (dict(growth_factor=math.nan), ValueError, r"growth_factor must be finite and > 1, got nan"),
@@ -753,7 +804,7 @@ BAD_SCALER_CONFIGS = [
      r"min_scale must be <= max_scale, got min_scale=8\.0 > max_scale=4\.0"),
     (dict(min_scale=0.0), ValueError, r"min_scale must be finite and > 0.*got 0\.0"),
     (dict(min_scale=1e-40, init_scale=1.0), ValueError,  # 1 / min_scale overflows float32
-     rf"min_scale must be finite and > 0, {_F32_RANGE}, got 1e-40"),
+     rf"min_scale must be {_F32_RANGE}.*got 1e-40"),
     (dict(min_scale=True), TypeError, r"min_scale must be a real number, got True"),
     (dict(max_scale=math.nan), ValueError, r"max_scale .*got nan"),
     (dict(init_scale=0.5, min_scale=1.0), ValueError,
@@ -773,8 +824,8 @@ def test_bad_scaler_configs(kwargs, exc, match):
     (-1.0, ValueError, r"scale must be finite and > 0.*got -1\.0"),
     (math.inf, ValueError, r"scale must be finite and > 0.*got inf"),
     (math.nan, ValueError, r"scale must be finite and > 0.*got nan"),
-    (1e-40, ValueError, rf"scale must be finite and > 0, {_F32_RANGE}, got 1e-40"),
-    (1e39, ValueError, rf"scale must be finite and > 0, {_F32_RANGE}, got 1e\+39"),
+    (1e-40, ValueError, rf"scale must be {_F32_RANGE}.*got 1e-40"),
+    (1e39, ValueError, rf"scale must be {_F32_RANGE}.*got 1e\+39"),
     ("x", TypeError, r"scale must be a real number, got 'x'"),
     (None, TypeError, r"scale must be a real number, got None"),
     (True, TypeError, r"scale must be a real number, got True"),

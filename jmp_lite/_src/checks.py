@@ -1,7 +1,8 @@
 """Validation of Python arguments, with messages that name the argument.
 
-Every check runs on concrete Python values when an object is built; none of
-them inspects a traced value.
+Every check runs on concrete values (Python and NumPy numbers, concrete jax
+arrays) when an object is built; none of them inspects a traced value
+(:func:`is_traced`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ import math
 import operator
 from typing import Any
 
+import jax
 import numpy as np
+
+# The range of a usable loss scale. Gradients are unscaled by multiplying with
+# ``1 / scale``: above 2**126 that reciprocal is a float32 subnormal, which XLA
+# flushes to 0 (every gradient would unscale to 0); below 2**-126 it overflows
+# to inf.
+MAX_LOSS_SCALE = 2.0**126
+MIN_LOSS_SCALE = 2.0**-126
 
 
 def is_concrete_number(value: Any) -> bool:
@@ -23,6 +32,11 @@ def is_concrete_number(value: Any) -> bool:
     return np.ndim(value) == 0 and np.isrealobj(np.asarray(value))
   except Exception:  # noqa: BLE001 - tracers and arbitrary objects.
     return False
+
+
+def is_traced(value: Any) -> bool:
+  """True for a tracer (a value inside ``jit``, ``grad``, ``vmap``...): it has no number yet."""
+  return isinstance(value, jax.core.Tracer)
 
 
 def real_number(name: str, value: Any) -> float:
@@ -40,6 +54,30 @@ def positive_finite(name: str, value: Any) -> float:
   number = real_number(name, value)
   if not (math.isfinite(number) and number > 0):
     raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+  return number
+
+
+def loss_scale(name: str, value: Any) -> float:
+  """``value`` as a float in ``[2**-126, 2**126]``, the scales whose reciprocal is normal.
+
+  Non-finite and non-positive values get :func:`positive_finite`'s message;
+  finite ones outside the range say why they are refused.
+
+  Examples:
+    >>> loss_scale("init_scale", 2.0**126) == 2.0**126
+    True
+    >>> loss_scale("init_scale", 2.0**127)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: init_scale must be in [2**-126, 2**126] (about 1.2e-38 to 8.5e+37) so that ...
+  """
+  number = positive_finite(name, value)
+  if not MIN_LOSS_SCALE <= number <= MAX_LOSS_SCALE:
+    raise ValueError(
+        f"{name} must be in [2**-126, 2**126] (about 1.2e-38 to 8.5e+37) so that 1/{name} is "
+        "a normal float32 (XLA flushes a subnormal reciprocal to 0, which would unscale every "
+        f"gradient to 0), got {value!r}"
+    )
   return number
 
 

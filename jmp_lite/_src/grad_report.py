@@ -22,6 +22,7 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from jmp_lite._src import checks
+from jmp_lite._src import plotting
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
 
@@ -30,13 +31,18 @@ from jmp_lite._src import tree_utils
 # are counted in the first or last bin.
 _EDGE_LO, _EDGE_HI = -128, 128
 _NUM_BINS = _EDGE_HI - _EDGE_LO
-# The suggested scale is clamped to the powers of two that float32 (the dtype
-# of every loss scale) represents as normal numbers.
-_MIN_SCALE_EXP, _MAX_SCALE_EXP = -126, 127
+# The suggested scale is clamped to the usable loss scales (checks.loss_scale):
+# the powers of two from 2^-126 to 2^126, whose reciprocals are normal float32s.
+_MIN_SCALE_EXP = int(math.log2(checks.MIN_LOSS_SCALE))
+_MAX_SCALE_EXP = int(math.log2(checks.MAX_LOSS_SCALE))
 
 
 class LeafStats(NamedTuple):
-  """Statistics of one gradient leaf (float32 scalars; see :func:`gradient_report`)."""
+  """Statistics of one gradient leaf (see :func:`gradient_report`).
+
+  The fractions are float32; ``max_abs`` is in the widest dtype of the
+  report's leaves (float32, or float64 for float64 leaves), which holds it.
+  """
 
   underflow_fraction: jax.Array
   overflow_fraction: jax.Array
@@ -67,13 +73,15 @@ class GradientReport:
     overflow_fraction: over all floating leaves, the fraction of non-zero
       elements whose cast is +-inf or NaN (non-finite inputs included).
     zero_fraction: the fraction of all elements that are exactly 0.
-    max_abs: the largest finite ``|g|`` (0 if there is none).
-    leaf_stats: a :class:`LeafStats` of float32 vectors, one entry per leaf
+    max_abs: the largest finite ``|g|`` (0 if there is none), in the widest
+      dtype of the leaves (float32, or float64 for float64 leaves).
+    leaf_stats: a :class:`LeafStats` of vectors, one entry per leaf
       in the order of ``leaf_paths`` (:attr:`per_leaf` is the same as a dict).
     histogram: int32 counts of ``floor(log2|g|)`` over the finite non-zero
       elements of unscaled ``g``, in the bins given by :attr:`bin_edges`.
     suggested_loss_scale: the largest power of two ``s`` with
-      ``max_abs * s * 2 <= finfo(dtype).max``.
+      ``max_abs * s * 2 <= finfo(dtype).max``, never more than half of
+      ``loss_scale`` when something overflowed (see :func:`gradient_report`).
     loss_scale: the scale the fractions were measured at (float32).
     dtype: the dtype the gradients were cast to.
     leaf_paths: the leaves' key paths (static). Paths are ``"/"``-joined
@@ -94,7 +102,7 @@ class GradientReport:
 
   @property
   def per_leaf(self) -> dict[str, LeafStats]:
-    """Key path -> :class:`LeafStats` of float32 scalars, in flattening order."""
+    """Key path -> :class:`LeafStats` of scalars, in flattening order."""
     return {
         path: LeafStats(*(v[i] for v in self.leaf_stats))
         for i, path in enumerate(self.leaf_paths)
@@ -169,9 +177,17 @@ class GradientReport:
       ImportError: if matplotlib is not installed (it is in the ``examples``
         extra).
     """
-    from jmp_lite._src import plotting  # pylint: disable=import-outside-toplevel
-
-    return plotting.plot_gradient_report(self, path, ax=ax)
+    return plotting.plot_log2_histogram(
+        self.histogram,
+        self.bin_edges,
+        loss_scale=float(self.loss_scale),
+        dtype=self.dtype,
+        title=(f"{self.dtype.name} at loss scale {pow2_str(float(self.loss_scale))}: underflow "
+               f"{float(self.underflow_fraction):.1%}, overflow {float(self.overflow_fraction):.1%}"),
+        scale_label=f"x loss scale {pow2_str(float(self.loss_scale))}",
+        path=path,
+        ax=ax,
+    )
 
 
 jax.tree_util.register_dataclass(GradientReport)
@@ -182,18 +198,25 @@ def _fraction(num: jax.Array, den: Any) -> jax.Array:
   return jnp.where(den > 0, num.astype(jnp.float32) / jnp.maximum(den, 1), 0.0)
 
 
-def _suggested_scale(max_abs: jax.Array, dtype: np.dtype) -> jax.Array:
+def _suggested_scale(
+    max_abs: jax.Array, dtype: np.dtype, scale: jax.Array, overflowed: jax.Array
+) -> jax.Array:
   """The largest 2^k with ``max_abs * 2^k * 2 <= finfo(dtype).max``, exactly.
 
   With ``max_abs = mM * 2^eM`` and ``fmax = mF * 2^eF`` (mantissas in
   [0.5, 1)), the condition ``mM * 2^(eM + k + 1) <= mF * 2^eF`` holds for
   every ``k <= eF - eM - 2`` and for ``k = eF - eM - 1`` iff ``mM <= mF``.
   Exponents are compared as integers, so nothing overflows on the way.
+
+  When something ``overflowed`` at ``scale`` (a non-finite gradient, which no
+  scale fixes, included), ``k`` is at most that of the largest power of two
+  <= ``scale / 2``: with ``scale = mS * 2^eS``, that is ``eS - 2``.
   """
   m_f, e_f = np.frexp(np.float64(jnp.finfo(dtype).max))
   m_m, e_m = jnp.frexp(jnp.where(max_abs > 0, max_abs, 1.0))
   k = jnp.where(m_m <= m_f, e_f - e_m - 1, e_f - e_m - 2)
   k = jnp.where(max_abs > 0, k, _MAX_SCALE_EXP)
+  k = jnp.where(overflowed, jnp.minimum(k, jnp.frexp(scale)[1] - 2), k)
   k = jnp.clip(k, _MIN_SCALE_EXP, _MAX_SCALE_EXP)
   return jnp.ldexp(jnp.float32(1.0), k.astype(jnp.int32))
 
@@ -242,7 +265,9 @@ def _report(leaves: tuple[jax.Array, ...], scale: jax.Array, dtype: np.dtype,
   leaf_max = jax.ops.segment_max(
       jnp.where(finite_nonzero, jnp.abs(x), 0), ids, len(parts), indices_are_sorted=True
   )
-  leaf_max = jnp.maximum(leaf_max, 0).astype(jnp.float32)  # Empty leaves give -inf.
+  # In the wide dtype, which holds every finite |g| (a float64 1e300 is inf in
+  # float32). Empty leaves give -inf.
+  leaf_max = jnp.maximum(leaf_max, 0)
   size = jnp.asarray(sizes, jnp.float32)
   leaf_stats = LeafStats(
       underflow_fraction=_fraction(under, nz),
@@ -254,6 +279,7 @@ def _report(leaves: tuple[jax.Array, ...], scale: jax.Array, dtype: np.dtype,
     return jnp.sum(c.astype(jnp.float32))
 
   max_abs = jnp.max(leaf_max)
+  overflowed = total(over) > 0
   return GradientReport(
       underflow_fraction=_fraction(total(under), total(nz)),
       overflow_fraction=_fraction(total(over), total(nz)),
@@ -261,7 +287,7 @@ def _report(leaves: tuple[jax.Array, ...], scale: jax.Array, dtype: np.dtype,
       max_abs=max_abs,
       leaf_stats=leaf_stats,
       histogram=hist,
-      suggested_loss_scale=_suggested_scale(max_abs, dtype),
+      suggested_loss_scale=_suggested_scale(max_abs, dtype, scale, overflowed),
       loss_scale=scale,
       dtype=dtype,
       leaf_paths=paths,
@@ -284,19 +310,26 @@ def gradient_report(
     underflow_fraction = underflow / non-zero   (0 when there is no non-zero)
     overflow_fraction  = overflow / non-zero
     zero_fraction      = (g == 0) / size
-    max_abs            = max |g| over finite g
+    max_abs            = max |g| over finite g  (in float32, float64 for float64 leaves)
 
   per leaf and over the whole tree. Backends that flush float32 subnormals
   (XLA on CPU and GPU) treat gradients below 2^-126 as zero.
 
   ``suggested_loss_scale`` is the largest power of two ``s`` such that
   ``max_abs * s * 2 <= finfo(dtype).max``: no finite element overflows at
-  ``s``, with a factor of 2 of headroom. It is clamped to [2^-126, 2^127], and
-  is 2^127 when there is no finite non-zero element. Underflow only falls as the
-  scale grows, so whenever ``loss_scale`` already left that headroom,
-  ``s >= loss_scale`` and underflow at ``s`` is no worse. If ``loss_scale``
-  overflowed, ``s`` is smaller, and the overflow is gone at the price of some
-  underflow.
+  ``s``, with a factor of 2 of headroom. It is clamped to [2^-126, 2^126] (the
+  usable loss scales: ``1 / 2^127`` flushes to 0), and is 2^126 when there is
+  no finite non-zero element. Underflow only falls as the scale grows, so
+  whenever ``loss_scale`` already left that headroom, ``s >= loss_scale`` and
+  underflow at ``s`` is no worse. If ``loss_scale`` overflowed, ``s`` is
+  smaller, and the overflow is gone at the price of some underflow.
+
+  A suggestion never grows a scale that overflows: whenever any element
+  overflows at ``loss_scale`` (``overflow_fraction > 0``, non-finite gradients
+  included, which no scale can fix), ``s`` is at most the largest power of two
+  <= ``loss_scale / 2``, a back-off like a dynamic scaler's. Values that
+  overflow ``dtype`` even at 2^-126 (a float64 1e300 cast to float16) get
+  2^-126 and still overflow there.
 
   The histogram counts floor(log2|g|) of the finite non-zero unscaled
   elements in unit bins from 2^-128 to 2^128 (:attr:`GradientReport.bin_edges`).
@@ -331,6 +364,9 @@ def gradient_report(
     0.0
     >>> float(report.suggested_loss_scale)  # 7e4 * 0.25 * 2 <= 65504
     0.25
+    >>> float(gradient_report({"g": jnp.array([jnp.nan, 1.0])}, loss_scale=8.0)
+    ...       .suggested_loss_scale)  # 2^14 would fit 1.0, but a NaN overflowed at 8
+    4.0
     >>> jax.jit(gradient_report)(grads).underflow_fraction.dtype
     dtype('float32')
   """

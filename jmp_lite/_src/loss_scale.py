@@ -3,7 +3,8 @@
 These match the public API and numerics of DeepMind's ``jmp`` and fix its known
 bugs: ``min_loss_scale`` survives ``jit``, construction works under
 ``jax.eval_shape`` and ``lower().compile()``, a float16 scale can be adjusted,
-growth never overflows to inf, and bad configuration is refused.
+growth stops at ``2**126`` (jmp's 2**127 unscales every gradient to 0), and bad
+configuration is refused.
 
 :func:`adjust_scale` is the one grow-or-back-off rule of the library:
 ``DynamicLossScale.adjust`` and the optax transformation both call it.
@@ -41,15 +42,21 @@ def adjust_scale(
       if grow: scale = scale * growth_factor, unless that overflows to inf
     else:
       scale = max(floor, backed_off)
+    scale = min(scale, 2**126)
 
   ``grow`` (when the growth period is complete) and ``backed_off`` (jmp
   divides by its factor, GradScaler multiplies by its backoff factor) are the
-  caller's. Everything is computed in ``scale``'s dtype.
+  caller's. Everything is computed in ``scale``'s dtype. ``2**126`` is the
+  largest scale whose reciprocal is a normal float32 (see
+  :data:`checks.MAX_LOSS_SCALE`); it is above float16's range, so a float16
+  scale is bounded by the overflow rule alone.
   """
   grown = scale * jnp.asarray(growth_factor, scale.dtype)
   grown = jnp.where(jnp.isfinite(grown), grown, scale)  # Like GradScaler and jmp.
   backed_off = jnp.maximum(floor.astype(scale.dtype), backed_off.astype(scale.dtype))
-  return jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+  new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+  cap = min(checks.MAX_LOSS_SCALE, float(jnp.finfo(scale.dtype).max))
+  return jnp.minimum(new_scale, jnp.asarray(cap, scale.dtype))
 
 
 def _multiply_leaves(tree: T, factor: Any) -> T:
@@ -172,9 +179,16 @@ class NoOpLossScale:
     return self
 
 
-def _is_python_or_numpy(value: Any) -> bool:
-  """Configuration written by a user (as opposed to arrays a pytree rebuild passes)."""
-  return isinstance(value, (bool, int, float, str, bytes, np.generic, np.ndarray))
+def _is_concrete(value: Any) -> bool:
+  """A value whose number can be checked now: a Python or NumPy value, or a concrete array.
+
+  Tracers (inside ``jit``, ``grad``, ``vmap``) and the placeholders that
+  ``jax.eval_shape`` and pytree utilities pass (``ShapeDtypeStruct``,
+  ``None``, sentinels) are not checked.
+  """
+  if isinstance(value, (bool, int, float, str, bytes, np.generic, np.ndarray)):
+    return True
+  return isinstance(value, jax.Array) and not checks.is_traced(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +200,15 @@ class StaticLossScale:
   value under ``jit`` included) promotes like ``x * loss_scale``.
 
   Args:
-    loss_scale: a finite number > 0 (stored as a Python float), or a scalar
-      float array (not inspected: it may be traced).
+    loss_scale: a finite number in ``[2**-126, 2**126]`` (stored as a Python
+      float), or a scalar float array (kept as it is; checked like a number
+      unless it is traced).
 
   Raises:
     TypeError: if ``loss_scale`` is a bool or not a number.
-    ValueError: if a concrete ``loss_scale`` is not finite and > 0.
+    ValueError: if a concrete ``loss_scale`` is not finite and > 0, or is
+      outside ``[2**-126, 2**126]`` (its reciprocal would not be a normal
+      float32: above 2**126, XLA flushes it to 0).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -207,9 +224,11 @@ class StaticLossScale:
   loss_scale: ArrayLike
 
   def __post_init__(self) -> None:
-    if not isinstance(self.loss_scale, jax.Array):  # Arrays may be traced.
-      value = checks.positive_finite("loss_scale", self.loss_scale)
-      object.__setattr__(self, "loss_scale", value)
+    if isinstance(self.loss_scale, jax.Array):  # Kept: an array scale promotes.
+      if not checks.is_traced(self.loss_scale):
+        checks.loss_scale("loss_scale", self.loss_scale)
+    else:
+      object.__setattr__(self, "loss_scale", checks.loss_scale("loss_scale", self.loss_scale))
 
   def scale(self, tree: T) -> T:
     return _multiply_leaves(tree, self.loss_scale)
@@ -225,9 +244,8 @@ class StaticLossScale:
 def _float_leaf(value: Any, name: str, default_dtype: Any) -> Any:
   """A scale field: Python numbers become strong arrays; arrays are kept.
 
-  Pytree unflattening may pass tracers, ``ShapeDtypeStruct``s or sentinel
-  objects, which pass through untouched. An integer scale works in float32
-  after jmp's warning.
+  Tracers, ``ShapeDtypeStruct``s (``jax.eval_shape``) and other objects pass
+  through untouched. An integer scale works in float32 after jmp's warning.
   """
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a floating number, got {value!r}")
@@ -256,19 +274,26 @@ class DynamicLossScale:
     else:
       loss_scale = max(min_loss_scale, loss_scale / factor)
       counter = 0
+    loss_scale = min(loss_scale, 2**126)   # jmp's scale reaches 2**127
+
+  ``2**126`` is the largest scale whose reciprocal ``unscale`` can multiply
+  by: ``1 / 2**127`` is a float32 subnormal, which XLA flushes to 0.
 
   Args:
-    loss_scale: initial scale, a positive float scalar (Python numbers become
-      float32; an integer scale warns, as jmp does, and becomes float32).
+    loss_scale: initial scale, a float scalar in ``[2**-126, 2**126]`` (Python
+      numbers become float32; an integer scale warns, as jmp does, and
+      becomes float32).
     counter: consecutive finite steps so far, an int >= 0 (int32).
     period: finite steps between growths, an int >= 1.
     factor: growth and backoff factor, a real number > 1.
-    min_loss_scale: floor for the scale, finite and >= 0 (in ``loss_scale``'s
-      dtype).
+    min_loss_scale: floor for the scale, finite, >= 0 and at most ``2**126``
+      (in ``loss_scale``'s dtype).
 
-  Python and NumPy values are validated when the object is built; jax arrays
-  are taken as given (they may be tracers, and pytree operations rebuild the
-  object from arbitrary leaves).
+  Every concrete value (Python and NumPy numbers, jax arrays) is validated
+  when the object is built; only tracers are taken as given. A pytree rebuild
+  (a ``jit`` output, ``jax.tree.map``) and :meth:`adjust` are not
+  constructions and validate nothing, as in equinox: checking the output of a
+  jitted step would wait for the device on every step.
 
   Raises:
     TypeError: for a non-number, a bool, or a fractional ``period``.
@@ -293,13 +318,18 @@ class DynamicLossScale:
   min_loss_scale: ArrayLike = 1.0
 
   def __post_init__(self) -> None:
-    if _is_python_or_numpy(self.loss_scale):
-      checks.positive_finite("loss_scale", self.loss_scale)
-    if _is_python_or_numpy(self.min_loss_scale):
+    if _is_concrete(self.loss_scale):
+      checks.loss_scale("loss_scale", self.loss_scale)
+    if _is_concrete(self.min_loss_scale):
       value = checks.real_number("min_loss_scale", self.min_loss_scale)
       if not (np.isfinite(value) and value >= 0):
         raise ValueError(f"min_loss_scale must be finite and >= 0, got {self.min_loss_scale!r}")
-    if _is_python_or_numpy(self.counter):
+      if value > checks.MAX_LOSS_SCALE:
+        raise ValueError(
+            f"min_loss_scale must be at most 2**126 (the largest usable loss scale), "
+            f"got {self.min_loss_scale!r}"
+        )
+    if _is_concrete(self.counter):
       checks.integer("counter", self.counter, minimum=0)
     period = self.period
     if isinstance(period, (float, np.floating)) and float(period).is_integer():
@@ -335,7 +365,8 @@ class DynamicLossScale:
         floor=jnp.asarray(self.min_loss_scale),
     )
     new_counter = jnp.where(grads_finite, (counter + 1) % self.period, jnp.zeros_like(counter))
-    return dataclasses.replace(self, loss_scale=new_scale, counter=new_counter)
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return _rebuild(DynamicLossScale, dict(fields, loss_scale=new_scale, counter=new_counter))
 
 
 def _counter_leaf(value: Any) -> Any:
@@ -344,7 +375,44 @@ def _counter_leaf(value: Any) -> Any:
   return value
 
 
-jax.tree_util.register_dataclass(DynamicLossScale)
+DataclassT = TypeVar("DataclassT")
+
+
+def _rebuild(cls: type[DataclassT], fields: dict[str, Any]) -> DataclassT:
+  """An instance of the frozen dataclass ``cls`` with ``fields``, without ``__init__``."""
+  obj = object.__new__(cls)
+  for name, value in fields.items():
+    object.__setattr__(obj, name, value)
+  return obj
+
+
+def _register_unvalidated(cls: type) -> None:
+  """Registers the dataclass ``cls`` as a pytree whose rebuild skips ``__post_init__``.
+
+  Like ``jax.tree_util.register_dataclass``, the fields come from the class
+  (those marked ``static`` are metadata, the others children, with
+  ``GetAttrKey`` paths), but unflattening does not run ``__init__``: jit
+  outputs, tree maps and checkpoint restores are rebuilds, not user input,
+  and validating a concrete child would wait for the device.
+  """
+  fields = dataclasses.fields(cls)
+  meta = tuple(f.name for f in fields if f.metadata.get("static", False))
+  data = tuple(f.name for f in fields if not f.metadata.get("static", False))
+
+  def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+    children = [(jax.tree_util.GetAttrKey(name), getattr(obj, name)) for name in data]
+    return children, tuple(getattr(obj, name) for name in meta)
+
+  def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+    return [getattr(obj, name) for name in data], tuple(getattr(obj, name) for name in meta)
+
+  def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
+    return _rebuild(cls, {**dict(zip(meta, aux)), **dict(zip(data, children))})
+
+  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+
+_register_unvalidated(DynamicLossScale)
 jax.tree_util.register_dataclass(NoOpLossScale)
 jax.tree_util.register_dataclass(StaticLossScale, data_fields=[], meta_fields=["loss_scale"])
 

@@ -17,7 +17,6 @@ from jmp_lite._src import skip
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal: 1 / tiny is finite
 
 _OUTERMOST_MSG = (
     "{what}. Put the loss scaling outermost, wrapping everything else: "
@@ -55,7 +54,9 @@ class ScalingConfig:
   """The validated configuration of a loss-scaling transformation.
 
   Static scaling is the same rule with ``growth_factor = backoff_factor = 1``
-  and ``min_scale = max_scale = init_scale``.
+  and ``min_scale = max_scale = init_scale``. ``max_scale`` is the effective
+  cap: a larger one given by the user (``inf`` included) is stored as
+  ``2**126``, the largest usable scale (:data:`checks.MAX_LOSS_SCALE`).
   """
 
   init_scale: float
@@ -69,7 +70,7 @@ class ScalingConfig:
   def dynamic(cls, init_scale: Any, growth_factor: Any, backoff_factor: Any,
               growth_interval: Any, min_scale: Any, max_scale: Any) -> "ScalingConfig":
     """Validates the arguments of :func:`dynamic_loss_scaling`."""
-    init_scale = _scale("init_scale", init_scale)
+    init_scale = checks.loss_scale("init_scale", init_scale)
     growth_factor = checks.real_number("growth_factor", growth_factor)
     if not (math.isfinite(growth_factor) and 1 < growth_factor <= _F32_MAX):
       raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
@@ -79,10 +80,13 @@ class ScalingConfig:
           f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}"
       )
     interval = checks.integer("growth_interval", growth_interval, minimum=1, maximum=_INT32_MAX)
-    min_scale = _scale("min_scale", min_scale)
+    min_scale = checks.loss_scale("min_scale", min_scale)
     max_scale = checks.real_number("max_scale", max_scale)
     if math.isnan(max_scale):
-      raise ValueError(f"max_scale must be a number (inf means no cap), got {max_scale!r}")
+      raise ValueError(
+          f"max_scale must be a number (inf means up to 2**126, the largest usable scale), "
+          f"got {max_scale!r}"
+      )
     if min_scale > max_scale:
       raise ValueError(
           f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}"
@@ -92,24 +96,14 @@ class ScalingConfig:
           f"init_scale must be in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
           f"got {init_scale!r}"
       )
+    max_scale = min(max_scale, checks.MAX_LOSS_SCALE)
     return cls(init_scale, growth_factor, backoff_factor, interval, min_scale, max_scale)
 
   @classmethod
   def static(cls, scale: Any) -> "ScalingConfig":
     """Validates the argument of :func:`static_loss_scaling`."""
-    value = _scale("scale", scale)
+    value = checks.loss_scale("scale", scale)
     return cls(value, 1.0, 1.0, 1, value, value)
-
-
-def _scale(name: str, value: Any) -> float:
-  """A scale must be a normal float32: finite, > 0, with a finite reciprocal."""
-  value = checks.real_number(name, value)
-  if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
-    raise ValueError(
-        f"{name} must be finite and > 0, within float32's normal range "
-        f"[{_F32_TINY!r}, {_F32_MAX!r}], got {value!r}"
-    )
-  return value
 
 
 def next_state(
@@ -134,10 +128,7 @@ def next_state(
       backed_off=scale * np.float32(config.backoff_factor),
       floor=jnp.float32(0),
   )
-  # float32 bounds: a Python float above float32's range (max_scale=inf is
-  # allowed, meaning no cap) must not be cast at trace time.
-  cap = np.float32(config.max_scale) if config.max_scale <= _F32_MAX else np.float32(np.inf)
-  new_scale = jnp.clip(new_scale, np.float32(config.min_scale), cap)
+  new_scale = jnp.clip(new_scale, np.float32(config.min_scale), np.float32(config.max_scale))
   return LossScaleState(
       loss_scale=new_scale.astype(jnp.float32),
       growth_count=jnp.where(grow, zero, count).astype(jnp.int32),
@@ -244,8 +235,8 @@ def dynamic_loss_scaling(
     if sum(unscaled ** 2) is finite and value is finite:
       updates, inner_state = inner.update(unscaled, inner_state, params, **extra)
       growth_count += 1
-      if growth_count == growth_interval:
-        scale = min(scale * growth_factor, max_scale)
+      if growth_count == growth_interval:    # a growth to inf keeps the scale
+        scale = min(scale * growth_factor, max_scale, 2**126)
         growth_count = 0
     else:                                    # the step is skipped
       updates = -0.0 everywhere              # params + updates == params, bit for bit
@@ -269,16 +260,19 @@ def dynamic_loss_scaling(
   Args:
     inner: any optax transformation, including ``optax.chain``,
       ``optax.inject_hyperparams(...)`` and ``optax.MultiSteps``.
-    init_scale: initial scale; finite and > 0, in ``[min_scale, max_scale]``.
-      Always stored as float32.
+    init_scale: initial scale, in ``[min_scale, max_scale]`` and at most
+      ``2**126``. Always stored as float32.
     growth_factor: multiplier after ``growth_interval`` finite steps; > 1.
     backoff_factor: multiplier on a non-finite step; in (0, 1).
     growth_interval: consecutive finite steps before growth; an int in
       ``[1, 2**31 - 1]``.
-    min_scale: floor of the scale; a normal float32 (about 1.2e-38 or more),
-      so that ``1 / scale`` is finite.
-    max_scale: cap of the scale; >= ``min_scale``. ``inf`` means no cap (a
-      growth that would overflow float32 then keeps the scale, as GradScaler).
+    min_scale: floor of the scale, in ``[2**-126, 2**126]`` (about 1.2e-38
+      to 8.5e37), so that ``1 / scale`` is a normal float32.
+    max_scale: cap of the scale; >= ``min_scale``. Any cap above ``2**126``
+      (``inf`` included) means ``2**126``, the largest usable scale: the
+      gradients are unscaled by multiplying with ``1 / scale``, and
+      ``1 / 2**127`` is a float32 subnormal that XLA flushes to 0, which would
+      unscale every gradient to 0.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -319,7 +313,8 @@ def static_loss_scaling(
 
   Args:
     inner: any optax transformation.
-    scale: the fixed scale; finite and > 0 (a normal float32).
+    scale: the fixed scale, in ``[2**-126, 2**126]`` (so that ``1 / scale``
+      is a normal float32).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
