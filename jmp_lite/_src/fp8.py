@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Protocol, Sequence, Union
+from typing import Any, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,17 @@ def float8_format(value: Any, name: str = "format") -> np.dtype[Any]:
   if dtype not in FLOAT8_DTYPES:
     raise ValueError(f"{name} must be a float8 dtype, got {dtype.name}; {_ALLOWED_FORMATS_MSG}")
   return dtype
+
+
+def _scaling(margin: Any, power_of_two: Any) -> tuple[int, bool]:
+  """``(margin, power_of_two)`` as an ``int >= 0`` and a ``bool``, or a clear error."""
+  if isinstance(margin, (bool, np.bool_)) or not isinstance(margin, (int, np.integer)):
+    raise TypeError(f"margin must be an int >= 0, got {margin!r}")
+  if margin < 0:
+    raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+  if not isinstance(power_of_two, (bool, np.bool_)):
+    raise TypeError(f"power_of_two must be a bool, got {power_of_two!r}")
+  return int(margin), bool(power_of_two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +132,9 @@ class Float8Recipe:
   def __post_init__(self) -> None:
     object.__setattr__(self, "forward", float8_format(self.forward, "forward"))
     object.__setattr__(self, "backward", float8_format(self.backward, "backward"))
-    margin = self.margin
-    if isinstance(margin, (bool, np.bool_)) or not isinstance(margin, (int, np.integer)):
-      raise TypeError(f"margin must be an int >= 0, got {margin!r}")
-    if margin < 0:
-      raise ValueError(f"margin must be an int >= 0, got {margin!r}")
-    object.__setattr__(self, "margin", int(margin))
-    if not isinstance(self.power_of_two, (bool, np.bool_)):
-      raise TypeError(f"power_of_two must be a bool, got {self.power_of_two!r}")
-    object.__setattr__(self, "power_of_two", bool(self.power_of_two))
+    margin, power_of_two = _scaling(self.margin, self.power_of_two)
+    object.__setattr__(self, "margin", margin)
+    object.__setattr__(self, "power_of_two", power_of_two)
 
 
 def as_recipe(fp8: Union[bool, Float8Recipe, None]) -> Union[Float8Recipe, None]:
@@ -175,6 +180,44 @@ def _to_dtype(v: jax.Array, dtype: np.dtype[Any]) -> jax.Array:
   return jnp.where(jnp.isfinite(v), clipped, v).astype(dtype)
 
 
+_STATIC = (1, 2, 3, 4)  # fmt, margin, power_of_two, dtype
+
+
+@functools.partial(jax.jit, static_argnums=_STATIC)  # One dispatch, not twenty, when eager.
+def _scale_inv(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
+               out: np.dtype[Any]) -> jax.Array:
+  wide = _wide(out)
+  fmax = float(jnp.finfo(fmt).max)
+  amax = jnp.max(jnp.abs(x), initial=0).astype(wide)  # The max is exact in any dtype.
+  inv = amax * np.asarray(2.0 ** margin / fmax, wide)
+  if power_of_two:  # The smallest power of two >= inv.
+    mantissa, exponent = jnp.frexp(inv)
+    inv = jnp.where(jnp.isfinite(inv), jnp.ldexp(
+        np.asarray(1, wide), jnp.where(mantissa == 0.5, exponent - 1, exponent)), inv)
+  inv = jnp.where(amax == 0, np.asarray(1, wide), inv)
+  return _to_dtype(inv, out)
+
+
+@functools.partial(jax.jit, static_argnums=_STATIC)
+def _quantize(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
+              out: np.dtype[Any]) -> tuple[jax.Array, jax.Array]:
+  inv = _scale_inv(x, fmt, margin, power_of_two, out)
+  wide = _wide(out)
+  fmax = np.asarray(jnp.finfo(fmt).max, wide)
+  scaled = lax.clamp(-fmax, x.astype(wide) * (1 / inv.astype(wide)), fmax)
+  return scaled.astype(fmt), inv
+
+
+def _checked(x: ArrayLike, fmt: DTypeLike, margin: Any, power_of_two: Any,
+             dtype: DTypeLike | None) -> tuple[jax.Array, np.dtype[Any], int, bool, np.dtype[Any]]:
+  """The arguments of :func:`scale_inv` and :func:`quantize`, checked and normalised."""
+  x = jnp.asarray(x)
+  out = np.dtype(x.dtype if dtype is None else dtype)
+  if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(out, jnp.floating)):
+    raise TypeError(f"x and dtype must be floating, got {x.dtype.name} and {out.name}")
+  return (x, float8_format(fmt), *_scaling(margin, power_of_two), out)
+
+
 def scale_inv(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: bool = False,
               dtype: DTypeLike | None = None) -> jax.Array:
   """The dequantisation multiplier ``1 / scale`` of ``x`` for format ``fmt``.
@@ -183,7 +226,10 @@ def scale_inv(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: bo
   two if ``power_of_two``, then rounded to the nearest normal value of
   ``dtype`` (the dequantisation dtype), so that quantising with its reciprocal
   and dequantising with it agree. A non-finite ``amax`` gives a non-finite
-  result.
+  result. For float16, whose smallest normal is ``2**-14``, an ``amax`` below
+  ``fmax * 2**-14`` no longer fills the float8 range; the float8 values keep
+  all their mantissa bits down to float16's own subnormals, so the precision
+  that float16 has is kept.
 
   Args:
     x: a floating array.
@@ -195,6 +241,11 @@ def scale_inv(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: bo
   Returns:
     A scalar of ``dtype``.
 
+  Raises:
+    TypeError: ``x`` or ``dtype`` is not floating, ``fmt`` is not a dtype,
+      ``margin`` not an int or ``power_of_two`` not a bool.
+    ValueError: ``fmt`` is not a float8 format, or ``margin`` is negative.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> x = jnp.array([0.5, -896.0], jnp.bfloat16)
@@ -203,18 +254,7 @@ def scale_inv(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: bo
     >>> float(scale_inv(jnp.zeros(3), jnp.float8_e5m2))
     1.0
   """
-  x = jnp.asarray(x)
-  out = np.dtype(x.dtype if dtype is None else dtype)
-  wide = _wide(out)
-  fmax = float(jnp.finfo(float8_format(fmt)).max)
-  amax = jnp.max(jnp.abs(x), initial=0).astype(wide)  # The max is exact in any dtype.
-  inv = amax * np.asarray(2.0 ** margin / fmax, wide)
-  if power_of_two:  # The smallest power of two >= inv.
-    mantissa, exponent = jnp.frexp(inv)
-    inv = jnp.where(jnp.isfinite(inv), jnp.ldexp(
-        np.asarray(1, wide), jnp.where(mantissa == 0.5, exponent - 1, exponent)), inv)
-  inv = jnp.where(amax == 0, np.asarray(1, wide), inv)
-  return _to_dtype(inv, out)
+  return _scale_inv(*_checked(x, fmt, margin, power_of_two, dtype))
 
 
 def quantize(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: bool = False,
@@ -237,6 +277,9 @@ def quantize(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: boo
     ``(q, scale_inv)``: ``q`` of dtype ``fmt`` and shape ``x.shape``, and the
     scalar multiplier of dtype ``dtype`` that :func:`dequantize` applies.
 
+  Raises:
+    TypeError, ValueError: as :func:`scale_inv`.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> q, s = quantize(jnp.array([1e-6, -3e-6], jnp.float32), jnp.float8_e4m3fn)
@@ -245,14 +288,7 @@ def quantize(x: ArrayLike, fmt: DTypeLike, *, margin: int = 0, power_of_two: boo
     >>> jnp.array([1e-6, -3e-6]).astype(jnp.float8_e4m3fn).tolist()  # A plain cast.
     [0.0, -0.0]
   """
-  x = jnp.asarray(x)
-  fmt = float8_format(fmt)
-  inv = scale_inv(x, fmt, margin=margin, power_of_two=power_of_two, dtype=dtype)
-  wide = _wide(inv.dtype)
-  scale = 1 / inv.astype(wide)
-  fmax = np.asarray(jnp.finfo(fmt).max, wide)
-  scaled = lax.clamp(-fmax, x.astype(wide) * scale, fmax)
-  return scaled.astype(fmt), inv
+  return _quantize(*_checked(x, fmt, margin, power_of_two, dtype))
 
 
 def dequantize(q: jax.Array, scale_inv: jax.Array) -> jax.Array:
@@ -287,7 +323,7 @@ def _dimension_numbers(dimension_numbers: DotDimensionNumbers) -> DotDimensionNu
 
 def _quantized(x: jax.Array, fmt: np.dtype[Any], recipe: Float8Recipe,
                dtype: np.dtype[Any]) -> tuple[jax.Array, jax.Array]:
-  return quantize(x, fmt, margin=recipe.margin, power_of_two=recipe.power_of_two, dtype=dtype)
+  return _quantize(x, fmt, recipe.margin, recipe.power_of_two, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -297,6 +333,7 @@ def _fp8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DotDimensionNumb
   return out
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))  # One dispatch when eager.
 def _fp8_dot_fwd(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DotDimensionNumbers,
                  recipe: Float8Recipe, precision: Any,
                  preferred_element_type: Any) -> tuple[jax.Array, Any]:
@@ -308,6 +345,7 @@ def _fp8_dot_fwd(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DotDimension
   return out, (lhs_q, lhs_s, rhs_q, rhs_s)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _fp8_dot_bwd(dimension_numbers: DotDimensionNumbers, recipe: Float8Recipe, precision: Any,
                  preferred_element_type: Any, residuals: Any,
                  g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -326,7 +364,7 @@ def _fp8_dot_bwd(dimension_numbers: DotDimensionNumbers, recipe: Float8Recipe, p
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
-def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DotDimensionNumbers, *,
+def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: DotDimensionNumbers, *,
                     recipe: Float8Recipe, precision: Any = None,
                     preferred_element_type: DTypeLike | None = None) -> jax.Array:
   """``lax.dot_general`` on operands quantised to float8 by ``recipe``.
@@ -334,16 +372,19 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DotDimens
   Forward: each operand is quantised to ``recipe.forward`` with its own scale
   and dequantised (``convert(f8 -> dtype) * broadcast(scale_inv)``, the
   pattern XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM), then
-  multiplied. The residuals are the float8 operands and their scales. Backward::
+  multiplied. The residuals are the float8 operands and their scales (half
+  the bytes of half-dtype operands). Backward, two more FP8 GEMMs::
 
-    g8 = quantize(g, recipe.backward)          # its own amax
-    d_lhs, d_rhs = vjp(dot_general)(dequantize(g8))   # two FP8 GEMMs
-                                                 # on dequantize(lhs8), dequantize(rhs8)
+    g8 = quantize(g, recipe.backward)                 # its own amax
+    d_lhs = dot_general's VJP for lhs (dequantize(g8), dequantize(rhs8))
+    d_rhs = dot_general's VJP for rhs (dequantize(lhs8), dequantize(g8))
 
   Scaling is per tensor and current (see :class:`Float8Recipe`). An all-zero
-  operand gives exact zeros; a non-finite element in an operand (or in the
-  cotangent) makes the whole product (or both gradients) NaN, so a loss-scale
-  skip still sees the overflow. Under ``vmap`` each example gets its own scale.
+  operand gives exact zeros. A non-finite element in an operand makes the
+  whole product NaN (its amax, and so its scale, is not finite), and the
+  gradient that reads that operand too; one in the cotangent makes both
+  gradients NaN. So a loss-scale skip still sees the overflow. Under ``vmap``
+  each example gets its own scale.
 
   Args:
     lhs: a floating array, usually of the half dtype (bfloat16 or float16).
