@@ -350,3 +350,17 @@ def test_half_dtypes(dtype, mags, pet, maybe_jit):
   assert 0 < rel_error(out, ref) < 0.08
   for got, want in zip((d_a, d_b), ref_vjp(g.astype(F32))):
     assert 0 < rel_error(got, want) < 0.12
+
+
+def test_quantize_argument_errors():
+  x = normal(0, (4,), 1.0)
+  with pytest.raises(TypeError, match="x and dtype must be floating, got int32 and int32"):
+    quantize(jnp.ones(3, jnp.int32), E4M3)
+  with pytest.raises(TypeError, match="x and dtype must be floating, got bfloat16 and int8"):
+    scale_inv(x, E4M3, dtype=jnp.int8)
+  with pytest.raises(ValueError, match="format must be a float8 dtype, got float16; allowed"):
+    quantize(x, jnp.float16)
+  with pytest.raises(ValueError, match="margin must be an int >= 0, got -2"):
+    scale_inv(x, E5M2, margin=-2)
+  with pytest.raises(TypeError, match="power_of_two must be a bool, got 'yes'"):
+    quantize(x, E5M2, power_of_two="yes")
