@@ -226,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
   m = result["meta"]
   cores = "" if m["usable_cpus"] in (None, m["cpu_count"]) else f"-{m['usable_cpus']}cpu"
   stem = out / f"cpu-profile-{args.model}{cores}-{report.machine_name(device)}-{m['date']}"
-  report.write(result, stem, text)
-  print()
-  print(text)
-  print(f"wrote {stem}.json and .md")
+  report.publish(result, stem, text)
   return 0
 
 

@@ -274,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 **measured)
   text = markdown(result)
   stem = out / f"kahan-limits-{report.machine_name(device)}-{result['meta']['date']}"
-  report.write(result, stem, text)
-  print()
-  print(text)
-  print(f"wrote {stem}.json and .md")
+  report.publish(result, stem, text)
   return 0
 
 

@@ -236,3 +236,11 @@ def write(
   stem.with_suffix(".md").write_text(text)
   if plot_fn is not None:
     plot_fn(result, stem.with_suffix(".png"))
+
+
+def publish(result: dict[str, Any], stem: pathlib.Path, text: str) -> None:
+  """Writes ``stem.json`` and ``stem.md`` and prints the markdown and where it went."""
+  write(result, stem, text)
+  print()
+  print(text)
+  print(f"wrote {stem}.json and .md")

@@ -53,6 +53,17 @@ def _smoke_run(module, out):
   return proc, out, sorted(out.iterdir())
 
 
+def _smoke_result(module, out):
+  """Runs ``python -m module --smoke``: the run, its files and its JSON result (name and command checked)."""
+  proc, _, files = _smoke_run(module, out)
+  assert [f.suffix for f in files] == [".json", ".md"]
+  name = module.split(".")[-1].replace("_", "-")
+  assert files[0].stem.startswith(f"{name}-cpu-")
+  result = json.loads(files[0].read_text())
+  assert result["meta"]["command"] == f"python -m {module} --smoke --out {out}"
+  return proc, files, result
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
   return _smoke_run("benchmarks.run", tmp_path_factory.mktemp("bench"))
@@ -330,11 +341,8 @@ def test_autocast_benchmark_compares_programs_with_the_same_dtypes():
 
 @pytest.mark.slow
 def test_autocast_benchmark_smoke(tmp_path):
-  proc, out, files = _smoke_run("benchmarks.autocast", tmp_path)
-  assert [f.suffix for f in files] == [".json", ".md"]
-  assert files[0].stem.startswith("autocast-cpu-")
-  result = json.loads(files[0].read_text())
-  assert result["meta"]["command"] == f"python -m benchmarks.autocast --smoke --out {out}"
+  out = tmp_path
+  proc, files, result = _smoke_result("benchmarks.autocast", out)
   step = result["step"]
   assert step["same_dtypes"] is True
   samples = {k: v["step_s"]["samples"] for k, v in step["variants"].items()}
@@ -433,11 +441,7 @@ def test_kahan_limits_bf16_compensation_stalls_below_its_limit():
 
 @pytest.mark.slow
 def test_kahan_limits_smoke(tmp_path):
-  proc, out, files = _smoke_run("benchmarks.kahan_limits", tmp_path)
-  assert [f.suffix for f in files] == [".json", ".md"]
-  assert files[0].stem.startswith("kahan-limits-cpu-")
-  result = json.loads(files[0].read_text())
-  assert result["meta"]["command"] == f"python -m benchmarks.kahan_limits --smoke --out {out}"
+  proc, files, result = _smoke_result("benchmarks.kahan_limits", tmp_path)
   assert [row["update"] for row in result["rows"]] == list(kahan_limits.SMOKE_UPDATES)
   assert set(result["limits"]["limit"]) == set(kahan_limits.VARIANTS)
   assert result["bytes_per_param"]["bf16_kahan_f32c"] == 6
