@@ -547,6 +547,42 @@ def test_extra_args_reach_the_transformation():
   assert set(seen) == {"value", "n"} and seen["n"] == 7
 
 
+@pytest.mark.parametrize("bad", ["loss", "metric"])
+def test_extra_args_value_never_decides_the_skip(bad):
+  # reduce_on_plateau on a validation metric: `value` is the metric, yet the
+  # skip decides on the loss and the gradients, as it does for a plain tx.
+  def loss_fn(params, batch):
+    loss = classifier_loss(params, batch) + jax.lax.stop_gradient(batch["bad_loss"])
+    return loss, {"metric": batch["metric"]}
+
+  tx = jmp.dynamic_loss_scaling(optax.chain(
+      optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)),
+      init_scale=2.0**10)
+  state = jmp.TrainState.create(params=classifier_params(), tx=tx)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"), has_aux=True,
+                             extra_args=lambda loss, aux, batch: {"value": aux["metric"]})
+  nan, finite = jnp.float32(jnp.nan), jnp.float32(0.0)
+  batch = dict(classifier_batch(), bad_loss=nan if bad == "loss" else finite,
+               metric=nan if bad == "metric" else jnp.float32(0.75))
+  before = host(state)
+  state, metrics = step(state, batch)
+  assert np.isfinite(float(metrics["grad_norm"]))
+  if bad == "loss":  # A NaN loss with a finite metric skips, bit for bit.
+    assert not bool(metrics["grads_finite"])
+    assert_bitwise_equal(state.params, before.params)
+    assert_bitwise_equal(state.opt_state.inner_state, before.opt_state.inner_state)
+    assert float(jmp.loss_scale_of(state.opt_state)) == 2.0**9
+  else:  # A NaN metric with a finite loss applies, and the scale stays.
+    assert bool(metrics["grads_finite"])
+    assert int(jmp.skipped_steps_of(state.opt_state)) == 0
+    assert float(jmp.loss_scale_of(state.opt_state)) == 2.0**10
+    assert not np.array_equal(state.params["w1"], before.params["w1"])
+  # The user's value reaches the inner transformation.
+  state, metrics = step(state, dict(batch, bad_loss=finite, metric=jnp.float32(0.75)))
+  assert bool(metrics["grads_finite"])
+  assert float(state.opt_state.inner_state[1].best_value) == 0.75
+
+
 @pytest.mark.parametrize("policy", ["f32", "mixed_float16"])
 def test_complex_params_are_trained_like_plain_optax(policy):
   def loss_fn(params, batch):

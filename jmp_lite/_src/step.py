@@ -119,7 +119,9 @@ def make_train_step(
     extra_args: ``extra_args(loss, aux, batch)`` returning more keyword
       arguments for ``tx.update``, merged over the default ``value=loss``
       (the unscaled float32 loss, optax's name for it, which e.g.
-      ``optax.contrib.reduce_on_plateau`` reads).
+      ``optax.contrib.reduce_on_plateau`` reads). A ``value`` given here
+      reaches ``tx`` but never decides the skip: that is always the loss's
+      and the gradients'.
     axis_name: a name to bind over the whole batch while ``loss_fn`` runs,
       for models written for ``pmap`` whose collectives name the
       data-parallel axis (Flax ``BatchNorm(axis_name="batch")``). Under

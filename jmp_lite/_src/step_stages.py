@@ -176,7 +176,9 @@ def guarded_update(
   if scaler is not None:
     # The scaler's own state: check_outermost found it at the root.
     scale_state = cast(transform.LossScaleState, state.opt_state)
-    return scaler.guarded(grads.grads, scale_state, inputs.trained, apply=apply, **kwargs)
+    # The skip decides on the loss, whatever `value` extra_args passes to tx.
+    return scaler.guarded(grads.grads, scale_state, inputs.trained, apply=apply,
+                          skip_loss=grads.loss, **kwargs)
   tx = optax.with_extra_args_support(state.tx)
   guard = skip.guarded_update(
       lambda g, s, p: tx.update(g, s, p, **kwargs),

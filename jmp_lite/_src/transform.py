@@ -185,16 +185,25 @@ class ScalingUpdate:
       params: optax.Params | None = None,
       *,
       apply: bool = False,
+      skip_loss: Any = None,
       **extra_args: Any,
   ) -> tuple[skip.Guarded, LossScaleState]:
-    """The guarded inner update (:func:`skip.guarded_update`) and the new state."""
+    """The guarded inner update (:func:`skip.guarded_update`) and the new state.
+
+    ``skip_loss``, when given, is the loss the skip decides on (with the
+    gradients), whatever ``value`` the extra args forward to ``inner``: the
+    train step passes its loss here, so that a user's ``value`` (a validation
+    metric for ``reduce_on_plateau``) never decides the skip. Without it, the
+    ``value`` extra arg decides, as optax's convention for the loss.
+    """
+    decide = extra_args.get("value") if skip_loss is None else skip_loss
     guard = skip.guarded_update(
         lambda g, s, p: self.inner.update(g, s, p, **extra_args),
         grads,
         state.inner_state,
         params,
         inv_scale=1.0 / state.loss_scale,
-        value=extra_args.get("value"),
+        value=decide,
         apply=apply,
     )
     return guard, next_state(self.config, state, guard.finite, guard.state)
