@@ -493,6 +493,36 @@ def test_caller_arrays_survive_donating_steps():
   np.testing.assert_array_equal(params["w1"], classifier_params()["w1"])
 
 
+@pytest.mark.parametrize("make_tx", [
+    optax.contrib.prodigy, optax.contrib.cocob, lambda: optax.contrib.mechanize(optax.sgd(0.1)),
+], ids=["prodigy", "cocob", "mechanize"])
+def test_optimizers_that_keep_the_params_in_their_state_run_donating(make_tx):
+  # Their state holds the initial params: TrainState.create copies what tx.init
+  # shares with the state's params, so the donating step does not donate twice.
+  state = jmp.TrainState.create(params=classifier_params(), tx=make_tx())
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
+  losses = []
+  for _ in range(3):
+    state, metrics = step(state, classifier_batch())
+    losses.append(float(metrics["loss"]))
+  assert all(np.isfinite(losses)) and bool(metrics["grads_finite"]) and int(state.step) == 3
+
+
+def test_the_callers_hyperparameter_arrays_survive_donating_steps():
+  lr = jnp.float32(1e-2)
+  tx = jmp.dynamic_loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=lr))
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_float16"))
+  first = jmp.TrainState.create(params=classifier_params(), tx=tx)
+  first, _ = step(first, classifier_batch())
+  assert not lr.is_deleted() and float(lr) == np.float32(1e-2)
+  second = jmp.TrainState.create(params=classifier_params(), tx=tx)  # The same tx again.
+  for _ in range(2):
+    second, metrics = step(second, classifier_batch())
+  assert bool(metrics["grads_finite"]) and not lr.is_deleted()
+  hyperparams = second.opt_state.inner_state.hyperparams
+  assert float(hyperparams["learning_rate"]) == np.float32(1e-2)
+
+
 def test_python_and_weak_leaves_compile_once():
   traces = []
 

@@ -49,6 +49,40 @@ def _own_key(key: jax.Array) -> jax.Array:
                                   impl=jax.random.key_impl(key))
 
 
+def _copy_array(x: jax.Array) -> jax.Array:
+  """A fresh buffer with ``x``'s dtype (and key implementation)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
+    return _own_key(x)
+  return jnp.array(x, dtype=x.dtype, copy=True)
+
+
+def _init_owned(tx: optax.GradientTransformation, params: optax.Params) -> optax.OptState:
+  """``tx.init(params)``, copying every leaf the state would share with someone else.
+
+  ``tx.init`` may return arrays that existed before it ran: the params it was
+  given (``optax.contrib.prodigy``, ``cocob`` and ``mechanize`` keep them) or
+  the caller's (``optax.inject_hyperparams(optax.adam)(learning_rate=lr)``
+  holds ``lr`` as given). A donating step would donate those buffers twice,
+  or delete the caller's. Such leaves, and the second occurrence of any leaf,
+  are copied; the arrays ``tx.init`` made itself (the moments) are kept as
+  they are, so no optimizer state is copied twice.
+  """
+  existing = {id(x) for x in jax.live_arrays()}
+  existing.update(id(x) for x in jax.tree.leaves(params))
+  opt_state = tx.init(params)
+  seen: set[int] = set()
+
+  def own(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+      return x
+    if id(x) in existing or id(x) in seen:
+      x = _copy_array(x)
+    seen.add(id(x))
+    return x
+
+  return jax.tree.map(own, opt_state)
+
+
 def _replicated_like(key: jax.Array, params: Any) -> jax.Array:
   """``key`` replicated over the mesh of the first mesh-sharded params leaf, if any.
 
@@ -123,7 +157,10 @@ class TrainState:
     """A fresh state: step 0, master params and ``tx.init`` over them.
 
     The state owns its buffers: every array leaf is copied once, so a donating
-    step only ever deletes the state's arrays, never the caller's. With
+    step only ever deletes the state's arrays, never the caller's. That holds
+    for ``tx.init``'s output too: a leaf it shares with the params (prodigy's
+    initial params) or with the caller (an ``inject_hyperparams`` array) is
+    copied. With
     ``master_dtype=jnp.float32`` (the default), floating leaves narrower than
     float32 (bf16, f16, f8) become float32, so the state holds full-precision
     master weights; float32, float64 and complex leaves keep their dtype. With
@@ -193,7 +230,7 @@ class TrainState:
     rounding_key = None
     if key is not None:
       rounding_key = _replicated_like(_own_key(masters.as_key(key)), params)
-    opt_state = tx.init(trained_part(masters.float32_view(params)))
+    opt_state = _init_owned(tx, trained_part(masters.float32_view(params)))
     transform.check_outermost(tx, opt_state)
     return cls(
         step=jnp.zeros((), jnp.int32),
