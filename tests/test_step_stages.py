@@ -78,6 +78,25 @@ def test_scaled_gradient_splits_model_state_and_aux():
   assert int(grads.model_state["count"]) == 6 and float(grads.aux["double"]) == 2 * -9.75
 
 
+@pytest.mark.parametrize("axis_name", [None, "batch"])
+def test_axis_name_accepts_the_static_batch_leaves_the_step_accepts(axis_name):
+  seen = []
+
+  def loss_fn(params, batch):
+    seen.append((batch["split"], batch["scale"]))
+    x = batch["x"] if axis_name is None else jax.lax.pmean(batch["x"], axis_name)
+    return (jnp.sum(params["w"] * x) + params["b"]).astype(jnp.float32) * batch["scale"]
+
+  config = stages.StepConfig(loss_fn, jmp.get_policy("f32"), axis_name=axis_name)
+  inputs = stages.cast_inputs(config, _state(), dict(BATCH, split="train", scale=2.0))
+  grads = stages.scaled_gradient(config, inputs, jnp.float32(1.0))
+  assert seen == [("train", 2.0)] and float(grads.loss) == 2 * (2.0 - 8.0 - 4.0 + 0.25)
+  assert grads.grads["w"].tolist() == [4.0, 8.0, -16.0]
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"), axis_name=axis_name)
+  state, metrics = step(_state(), dict(BATCH, split="train", scale=2.0))
+  assert float(metrics["loss"]) == -19.5 and state.params["w"].tolist() == [-1.0, -6.0, 8.5]
+
+
 def test_scaled_gradient_refuses_a_bad_loss():
   config = stages.StepConfig(lambda p, b: jnp.ones(2), F16)
   with pytest.raises(TypeError, match=r"float scalar loss; got shape \(2,\)"):

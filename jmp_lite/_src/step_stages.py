@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite._src import filtering
 from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import skip
@@ -309,8 +310,12 @@ def _bind_axis_name(fn: Callable[..., Any], axis_name: str) -> Callable[..., Any
   """
 
   def bound(params: Any, model_state: Any, batch: Any) -> Any:
-    expanded = jax.tree.map(lambda x: jnp.asarray(x)[None], batch)
-    out = jax.vmap(lambda b: fn(params, model_state, b), axis_name=axis_name)(expanded)
+    # Only the array leaves get the axis; static ones (a "split": "train"
+    # tag) reach fn as they are, as without axis_name (filtering's rule).
+    traced, spec = filtering.partition(batch)
+    expanded = [None if x is None else jnp.asarray(x)[None] for x in traced]
+    out = jax.vmap(lambda b: fn(params, model_state, filtering.combine(b, spec)),
+                   axis_name=axis_name, axis_size=1)(expanded)
     return jax.tree.map(lambda x: x[0], out)
 
   return bound
