@@ -177,6 +177,41 @@ def test_next_model_state_is_stored_in_its_dtypes_and_kept_when_skipped(finite, 
   assert stages.next_model_state(_state(), None, jnp.asarray(True)) is None
 
 
+@pytest.mark.parametrize("finite", [True, False])
+def test_integer_model_state_returned_in_another_dtype_is_stored_in_its_own(finite, maybe_jit):
+  # An NNX-style uint32 counter that loss_fn returns as int32 (and a bool flag as int).
+  state = _state(model_state={"count": jnp.uint32(3), "seen": jnp.array([True, False])})
+  new = {"count": jnp.int32(4), "seen": jnp.array([1, 1], jnp.int8)}
+  out = maybe_jit(stages.next_model_state)(state, new, jnp.asarray(finite))
+  assert (out["count"].dtype, out["seen"].dtype) == (jnp.uint32, jnp.bool_)
+  assert int(out["count"]) == (4 if finite else 3)
+  assert out["seen"].tolist() == ([True, True] if finite else [True, False])
+
+
+@pytest.mark.parametrize("new, got", [
+    ({"count": jnp.float32(4.0)}, r"float32\[\]"),
+    ({"count": jnp.zeros(2, jnp.uint32)}, r"uint32\[2\]"),
+    ({"count": jax.random.key(0)}, r"key<fry>\[\]"),
+], ids=["float", "shape", "key"])
+def test_a_model_state_leaf_that_cannot_be_stored_is_named(new, got):
+  state = _state(model_state={"count": jnp.uint32(3)})
+  expected = rf"loss_fn returned model state leaf 'count' as {got}, .* its state's uint32\[\]"
+  with pytest.raises(TypeError, match=expected):
+    jax.jit(stages.next_model_state)(state, new, jnp.asarray(True))
+
+
+def test_the_step_stores_an_nnx_style_counter_in_its_dtype():
+  def loss_fn(params, model_state, batch):
+    count = model_state["count"].astype(jnp.int32) + 1  # Comes back int32.
+    return _linear_loss(params, batch) * batch["ok"], {"count": count}
+
+  state = _state(model_state={"count": jnp.uint32(0)})
+  step = jmp.make_train_step(loss_fn, F16)
+  for ok in (1.0, jnp.nan, 1.0):
+    state, metrics = step(state, dict(BATCH, ok=jnp.float32(ok)))
+  assert state.model_state["count"].dtype == jnp.uint32 and int(state.model_state["count"]) == 2
+
+
 def test_next_model_state_refuses_another_structure():
   state = _state(model_state={"mean": jnp.ones(2)})
   with pytest.raises(TypeError, match="model state of another structure"):

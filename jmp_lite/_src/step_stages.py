@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite._src import filtering
@@ -40,6 +41,11 @@ _STATE_MSG = (
     "state.model_state is set, so loss_fn(params, model_state, batch) must return "
     "(loss, new_model_state), or (loss, (new_model_state, aux)) with has_aux=True; "
     "{what} was {got}"
+)
+_STORE_MSG = (
+    "loss_fn returned model state leaf {path!r} as {got}, which cannot be stored "
+    "in its state's {stored} (integer and bool leaves are cast from other integer "
+    "or bool dtypes; shapes, PRNG keys and floats in an integer leaf must match)"
 )
 _NO_AUX_HINT = (
     "; it returned a pair: if the second element is auxiliary output, build the "
@@ -221,6 +227,7 @@ def next_model_state(state: TrainState, new: Any, finite: jax.Array) -> Any:
   if state.model_state is None:
     return None
   new = _stored_like(new, state.model_state)
+  new = _other_leaves_stored_like(new, state.model_state)
   return jax.lax.cond(finite, lambda: new, lambda: state.model_state)
 
 
@@ -298,6 +305,36 @@ def _stored_like(new: Any, old: Any) -> Any:
   return jax.tree.map(
       lambda n, o: jnp.asarray(n).astype(o.dtype) if tree_utils.is_inexact_array(o) else n,
       new, old)
+
+
+def _other_leaves_stored_like(new: Any, old: Any) -> Any:
+  """Integer and bool leaves of the new model state in their stored dtypes.
+
+  An NNX-style ``uint32`` counter that ``loss_fn`` returns as ``int32`` is
+  stored back as ``uint32``, as floating leaves are stored in theirs (the
+  skip's ``lax.cond`` needs the old and the new state to have one type). A
+  leaf that cannot be stored so (another shape, a float for an integer, a
+  PRNG key for a number or the reverse) is a ``TypeError`` naming its path.
+  """
+
+  def store(path: tree_utils.KeyPath, n: Any, o: Any) -> Any:
+    if not filtering.is_traced(o) or tree_utils.is_inexact_array(o):
+      return n
+    if isinstance(n, (bool, int, float, complex)):
+      n = jnp.asarray(n)
+    n_dtype, o_dtype = getattr(n, "dtype", None), np.dtype(o.dtype)
+    n_shape = getattr(n, "shape", None)
+    extended = jax.dtypes.extended
+    key_mismatch = n_dtype is None or (
+        jnp.issubdtype(n_dtype, extended) != jnp.issubdtype(o_dtype, extended))
+    if key_mismatch or n_shape != o.shape or (
+        n_dtype != o_dtype and jnp.issubdtype(n_dtype, jnp.inexact)):
+      raise TypeError(_STORE_MSG.format(
+          path=tree_utils.path_str(path), got=f"{n_dtype}{list(n_shape or ())}",
+          stored=f"{o_dtype}{list(o.shape)}"))
+    return n if n_dtype == o_dtype else n.astype(o_dtype)
+
+  return jax.tree_util.tree_map_with_path(store, new, old)
 
 
 def _bind_axis_name(fn: Callable[..., Any], axis_name: str) -> Callable[..., Any]:
