@@ -97,6 +97,37 @@ def test_axis_name_accepts_the_static_batch_leaves_the_step_accepts(axis_name):
   assert float(metrics["loss"]) == -19.5 and state.params["w"].tolist() == [-1.0, -6.0, 8.5]
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_loss_fn_without_the_model_state_argument_is_named(autocast):
+  state = _state(model_state={"count": jnp.int32(0)})
+  step = jmp.make_train_step(_linear_loss, F16, autocast=autocast)
+  expected = (r"the state has a model_state, so the step calls loss_fn\(params, model_state, "
+              r"batch\), but loss_fn\(params, batch\) cannot take those three arguments "
+              r"\(too many positional arguments\); add the model_state argument")
+  with pytest.raises(TypeError, match=expected):
+    step(state, BATCH)
+  with pytest.raises(TypeError, match=r"the state has no model_state, so the step calls "
+                     r"loss_fn\(params, batch\), but loss_fn\(params, model_state, batch\) "
+                     r"cannot take those two arguments .*pass model_state= to TrainState.create"):
+    jmp.make_train_step(lambda params, model_state, batch: 0.0, F16)(_state(), BATCH)
+
+
+def test_a_loss_fn_taking_args_or_raising_its_own_type_error_is_called_as_it_is():
+  def with_args(*args):
+    params, model_state, batch = args
+    return _linear_loss(params, batch), model_state
+
+  state = _state(model_state={"count": jnp.int32(0)})
+  _, metrics = jmp.make_train_step(with_args, F16)(state, BATCH)
+  assert float(metrics["loss"]) == -9.75
+
+  def raises(params, batch):
+    raise TypeError("my own message")
+
+  with pytest.raises(TypeError, match="^my own message"):
+    jmp.make_train_step(raises, F16)(_state(), BATCH)
+
+
 def test_scaled_gradient_refuses_a_bad_loss():
   config = stages.StepConfig(lambda p, b: jnp.ones(2), F16)
   with pytest.raises(TypeError, match=r"float scalar loss; got shape \(2,\)"):

@@ -147,8 +147,9 @@ def make_train_step(
     TypeError: if ``loss_fn`` is not callable, ``policy`` is not a
       :class:`Policy` or a flag is not a bool; when the step is called, if
       ``state`` is not a :class:`TrainState`, or (at trace time) if the loss
-      is not a float scalar, ``has_aux`` is set and ``loss_fn`` does not
-      return a pair, or the params' dtypes are not the state's
+      is not a float scalar, ``loss_fn``'s signature cannot take
+      ``(params, batch)`` (or ``(params, model_state, batch)`` with a model
+      state), ``has_aux`` is set and ``loss_fn`` does not return a pair, or the params' dtypes are not the state's
       ``master_dtype`` (a hand-built state).
     ValueError: if ``autocast`` is set and ``policy.compute_dtype`` is not
       float16 or bfloat16; when the step is called with params or a batch

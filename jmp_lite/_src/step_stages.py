@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 from typing import Any, Callable, Mapping, NamedTuple, cast
 
@@ -46,6 +47,17 @@ _STORE_MSG = (
     "loss_fn returned model state leaf {path!r} as {got}, which cannot be stored "
     "in its state's {stored} (integer and bool leaves are cast from other integer "
     "or bool dtypes; shapes, PRNG keys and floats in an integer leaf must match)"
+)
+_STATE_ARITY_MSG = (
+    "the state has a model_state, so the step calls loss_fn(params, model_state, "
+    "batch), but loss_fn{signature} cannot take those three arguments ({error}); "
+    "add the model_state argument (and return (loss, new_model_state)), or build "
+    "the state without model_state"
+)
+_ARITY_MSG = (
+    "the state has no model_state, so the step calls loss_fn(params, batch), but "
+    "loss_fn{signature} cannot take those two arguments ({error}); for a loss_fn "
+    "of (params, model_state, batch), pass model_state= to TrainState.create"
 )
 _NO_AUX_HINT = (
     "; it returned a pair: if the second element is auxiliary output, build the "
@@ -253,6 +265,7 @@ def _call_loss_fn(
 ) -> tuple[jax.Array, Any, Any]:
   """``(float32 loss, new model state, aux)`` from one call of ``loss_fn``."""
   has_aux = config.has_aux
+  _check_arity(config.loss_fn, with_state)
   if with_state:
     out = config.loss_fn(params, model_state, batch)
   else:
@@ -263,6 +276,24 @@ def _call_loss_fn(
   else:
     new_model_state, aux = (rest, None) if with_state else (None, rest)
   return _check_loss(loss, has_aux or with_state).astype(jnp.float32), new_model_state, aux
+
+
+def _check_arity(loss_fn: Callable[..., Any], with_state: bool) -> None:
+  """Refuses a ``loss_fn`` whose signature cannot take the step's arguments.
+
+  Checked with :func:`inspect.signature` before the call, so a ``TypeError``
+  raised inside ``loss_fn`` is never mistaken for one; functions taking
+  ``*args`` and those without a signature are called as they are.
+  """
+  try:
+    signature = inspect.signature(loss_fn)
+  except (TypeError, ValueError):
+    return
+  try:
+    signature.bind(*([None] * (3 if with_state else 2)))
+  except TypeError as e:
+    msg = _STATE_ARITY_MSG if with_state else _ARITY_MSG
+    raise TypeError(msg.format(signature=signature, error=e)) from e
 
 
 def _check_loss(loss: Any, has_aux: bool) -> jax.Array:
