@@ -75,3 +75,32 @@ def test_a_string_in_the_batch_is_static_and_checked():
   expected = r"batch\['mode'\] was 'train' on the first call and is 'eval' now"
   with pytest.raises(ValueError, match=expected):
     step(state, {"x": jnp.array([1.0, 2.0]), "mode": "eval"})
+
+
+def test_a_donated_state_is_refused_before_dispatch(capfd):
+  state, _, _ = _problem()
+  step = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b["x"]), jmp.get_policy("f32"))
+  new, _ = step(state, {"x": jnp.ones(2)})
+  capfd.readouterr()
+  expected = (r"^state.step was deleted: a donating step .* consumed the state it was part of\. "
+              r"Keep using the state each call returns")
+  with pytest.raises(ValueError, match=expected):
+    step(state, {"x": jnp.ones(2)})
+  err = capfd.readouterr().err
+  assert "donated" not in err and "Execute()" not in err, err  # No XLA log line.
+  assert int(step(new, {"x": jnp.ones(2)})[0].step) == 2
+
+
+def test_flaxs_train_state_is_named_next_to_jmp_lites():
+  from flax.training import train_state
+
+  _, step, _ = _problem()
+  flax_state = train_state.TrainState.create(
+      apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  expected = (r"^state must be a jmp_lite.TrainState \(see TrainState.create\), got "
+              r"flax.training.train_state.TrainState \(another library's TrainState, not "
+              r"jmp_lite.TrainState: build one with jmp_lite.TrainState.create")
+  with pytest.raises(TypeError, match=expected):
+    step(flax_state, {"x": jnp.ones(2), "scale": 1.0})
+  with pytest.raises(TypeError, match=r"got dict$"):
+    step({"params": {"w": jnp.ones(2)}}, {"x": jnp.ones(2), "scale": 1.0})

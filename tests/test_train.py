@@ -523,6 +523,21 @@ def test_the_callers_hyperparameter_arrays_survive_donating_steps():
   assert float(hyperparams["learning_rate"]) == np.float32(1e-2)
 
 
+@pytest.mark.parametrize("tx, what", [
+    (optax.adam(1e-3).init({"w": jnp.ones(2)}), r"tuple \(it looks like an optimizer state: "
+     r"pass the transformation, e.g. optax.adam\(1e-3\), not its init\(params\)\)"),
+    (optax.EmptyState(), r"optax._src.base.EmptyState \(it looks like an optimizer state: .*"),
+    ("adam", r"str: 'adam'"),
+    (list(range(1000)), r"list: \[0, 1, 2, .*\.\.\."),
+], ids=["adam-state", "empty-state", "string", "long-list"])
+def test_an_optimizer_state_for_tx_is_named_in_one_line(tx, what):
+  expected = ("^tx must be an optax GradientTransformation \\(an object with callable init "
+              f"and update\\), got an object of type {what}$")
+  with pytest.raises(TypeError, match=expected) as info:
+    jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=tx)
+  assert "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
 def test_python_and_weak_leaves_compile_once():
   traces = []
 
@@ -647,9 +662,10 @@ def test_complex_params_are_trained_like_plain_optax(policy):
 
 BAD_ARGUMENTS = {
     "tx-string": (lambda: jmp.TrainState.create(params={"w": jnp.ones(2)}, tx="adam"),
-                  r"tx must be an optax transformation, got 'adam'"),
+                  r"tx must be an optax GradientTransformation .*, got an object of type str: 'adam'$"),
     "tx-uncalled-factory": (lambda: jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.adam),
-                            r"tx must be an optax transformation, got <function adam"),
+                            r"tx must be an optax GradientTransformation .*, got an object of "
+                            r"type function: <function adam .*\(call it to get the transformation"),
     "policy-string": (lambda: jmp.make_train_step(classifier_loss, "mixed_float16"),
                       r"policy must be a jmp_lite.Policy, got 'mixed_float16'"),
     "loss_fn-int": (lambda: jmp.make_train_step(3, jmp.get_policy("f32")),

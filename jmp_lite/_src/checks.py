@@ -39,6 +39,29 @@ def is_traced(value: Any) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
+def short_repr(value: Any, limit: int = 80) -> str:
+  """``repr(value)``, cut to ``limit`` characters (an optimizer state's repr runs to pages).
+
+  Examples:
+    >>> short_repr("x" * 100, limit=12)
+    "'xxxxxxxx..."
+  """
+  text = repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def type_name(value: Any) -> str:
+  """The module-qualified name of ``value``'s class, e.g. ``flax.training.train_state.TrainState``.
+
+  Examples:
+    >>> type_name(3)
+    'int'
+  """
+  cls = type(value)
+  module = cls.__module__
+  return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
 def real_number(name: str, value: Any) -> float:
   """``value`` as a Python float; bools, strings and non-numbers are a ``TypeError``."""
   if isinstance(value, (bool, np.bool_, str, bytes)):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 
+from jmp_lite._src import checks
 from jmp_lite._src import filtering
 from jmp_lite._src.train_state import TrainState
 
@@ -68,6 +69,28 @@ def _donation_problem(state: TrainState, batch: Any) -> str | None:
       return _ALIASED_MSG.format(first=seen[id(x)], second=name)
     seen[id(x)] = name
   return None
+
+
+def _not_a_state_message(state: Any) -> str:
+  """Why ``state`` is refused, naming both classes when it is another library's TrainState."""
+  name = checks.type_name(state)
+  msg = f"state must be a jmp_lite.TrainState (see TrainState.create), got {name}"
+  if type(state).__name__ == "TrainState":
+    msg += (f" (another library's TrainState, not jmp_lite.TrainState: build one with "
+            "jmp_lite.TrainState.create(params=..., tx=...))")
+  return msg
+
+
+def _check_not_donated(state: TrainState, batch: Any) -> None:
+  """A state that a donating step already consumed, refused before dispatch.
+
+  Dispatching deleted buffers makes XLA log an error line before the call
+  fails; checking ``state.step`` (donated with every other leaf, and a
+  single read) keeps that line away at no cost per leaf. Other deleted or
+  aliased arrays are diagnosed after a failed call (:func:`_donation_problem`).
+  """
+  if isinstance(state.step, jax.Array) and state.step.is_deleted():
+    raise ValueError(_donation_problem(state, batch) or _DELETED_MSG.format(where="state.step"))
 
 
 def _signature(state: TrainState, batch: Any) -> _Signature:
@@ -133,8 +156,10 @@ class TrainStep:
   """The jitted step plus the checks that need Python: tree structures, donation.
 
   The structure check compares tree structures and the batch's static leaves
-  on the Python side (cheap) before the call. Deleted or aliased input arrays
-  are diagnosed only when the call fails, so they cost nothing otherwise. A
+  on the Python side (cheap) before the call. A state already consumed by a
+  donating step is refused before dispatch (one read of ``state.step``);
+  other deleted or aliased input arrays are diagnosed only when the call
+  fails, so they cost nothing otherwise. A
   state or batch with static leaves (an Equinox module's activation
   functions, a string in the batch) goes through a :class:`FilteredJit` that
   keeps them static; otherwise the plain ``jax.jit`` runs, with no Python work
@@ -162,9 +187,8 @@ class TrainStep:
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     if not isinstance(state, TrainState):
-      raise TypeError(
-          f"state must be a jmp_lite.TrainState (see TrainState.create), got {type(state).__name__}"
-      )
+      raise TypeError(_not_a_state_message(state))
+    _check_not_donated(state, batch)
     signature = _signature(state, batch)
     if self._signature is not None:
       _check_signature(self._signature, signature, batch)

@@ -17,6 +17,8 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
+from jmp_lite._src import checks
+from jmp_lite._src import filtering
 from jmp_lite._src import masters
 from jmp_lite._src import transform
 from jmp_lite._src import tree_utils
@@ -81,6 +83,30 @@ def _init_owned(tx: optax.GradientTransformation, params: optax.Params) -> optax
     return x
 
   return jax.tree.map(own, opt_state)
+
+
+def _check_tx(tx: Any) -> None:
+  """Refuses a ``tx`` without callable ``init`` and ``update``, in one line.
+
+  An optimizer state (``tx.init(params)``, a tuple of arrays or a ``...State``
+  NamedTuple) passed for the transformation is named as such.
+  """
+  if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
+    return
+  has_arrays = isinstance(tx, (tuple, list, dict)) and any(
+      filtering.is_traced(x) for x in jax.tree.leaves(tx))
+  if has_arrays or type(tx).__name__.endswith("State"):
+    hint = (" (it looks like an optimizer state: pass the transformation, e.g. "
+            "optax.adam(1e-3), not its init(params))")
+  elif callable(tx):
+    hint = (f": {checks.short_repr(tx)} (call it to get the transformation, e.g. "
+            "optax.adam(1e-3))")
+  else:
+    hint = f": {checks.short_repr(tx)}"
+  raise TypeError(
+      "tx must be an optax GradientTransformation (an object with callable init "
+      f"and update), got an object of type {checks.type_name(tx)}{hint}"
+  )
 
 
 def _replicated_like(key: jax.Array, params: Any) -> jax.Array:
@@ -214,8 +240,7 @@ class TrainState:
       >>> lean.params["w"].dtype, lean.compensation["w"].dtype, lean.opt_state[0].mu["w"].dtype
       (dtype(bfloat16), dtype(bfloat16), dtype('float32'))
     """
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-      raise TypeError(f"tx must be an optax transformation, got {tx!r}")
+    _check_tx(tx)
     master_dtype = masters.check_master_dtype(master_dtype)
     rounding = masters.check_rounding(rounding)
     masters.check_config(master_dtype, rounding)
