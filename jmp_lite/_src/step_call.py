@@ -89,7 +89,8 @@ def _check_not_donated(state: TrainState, batch: Any) -> None:
   single read) keeps that line away at no cost per leaf. Other deleted or
   aliased arrays are diagnosed after a failed call (:func:`_donation_problem`).
   """
-  if isinstance(state.step, jax.Array) and state.step.is_deleted():
+  step = state.step
+  if isinstance(step, jax.Array) and not checks.is_traced(step) and step.is_deleted():
     raise ValueError(_donation_problem(state, batch) or _DELETED_MSG.format(where="state.step"))
 
 
