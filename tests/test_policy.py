@@ -301,6 +301,32 @@ def test_keep_rule_casts_half_leaf_up_to_f32():
   assert out["norm"].dtype == F32 and out["w"].dtype == BF16
 
 
+def test_a_keep_rule_that_selects_nothing_warns_naming_it():
+  from jmp_lite._src import policy as policy_lib
+
+  nnx_params = {"batch_norm": {"scale": jnp.ones(4)}, "linear": {"kernel": jnp.ones((4, 4))},
+                "count": jnp.int32(0)}
+  with pytest.warns(UserWarning) as record:
+    policy_lib.warn_unmatched_keep_rules(
+        ("BatchNorm", "kernel", lambda path, leaf: path == "count"),
+        {"params": nnx_params, "model_state": None}, "the policy")
+  messages = [str(w.message) for w in record]
+  assert len(messages) == 2  # "kernel" selects a leaf; the int "count" is no floating leaf.
+  assert messages[0] == (
+      "keep rule 'BatchNorm' of the policy selects no floating leaf of params or model_state, "
+      "so it keeps nothing in float32. It matches ['batch_norm/scale'] ignoring case and "
+      "underscores. NNX (and Equinox) names are snake_case attribute names (e.g. 'batch_norm' "
+      "or 'bn' rather than 'BatchNorm'); Flax linen names are 'BatchNorm_0'. The floating "
+      "leaves are, e.g.: 'batch_norm/scale', 'linear/kernel'")
+  assert messages[1].startswith(
+      "keep rule test_a_keep_rule_that_selects_nothing_warns_naming_it.<locals>.<lambda> of "
+      "the policy selects no floating leaf")
+  # Every rule that selects a leaf (in any of the trees): no warning.
+  policy_lib.warn_unmatched_keep_rules(
+      ("batch_norm", "mean"), {"params": nnx_params, "model_state": {"mean": jnp.zeros(4)}},
+      "the policy")
+
+
 def test_keep_rules_do_not_change_str_and_stay_hashable():
   policy = jmp_lite.get_policy("mixed_float16").with_keep_full("norm", lambda p, x: False)
   assert str(policy) == "p=f32,c=f16,o=f32"

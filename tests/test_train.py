@@ -462,6 +462,26 @@ def test_batch_keep_full_keeps_large_targets_in_float32():
     assert runs[name][1] == 0 and runs[name][0] < 0.05, runs
 
 
+def test_keep_rules_that_select_nothing_warn_once_per_compile():
+  def loss_fn(params, batch):
+    return classifier_loss(params, batch)
+
+  policy = jmp.get_policy("mixed_float16").with_keep_full("BatchNorm", "b1")
+  state = jmp.TrainState.create(params=classifier_params(), tx=optax.sgd(0.1))
+  step = jmp.make_train_step(loss_fn, policy, batch_keep_full=("targets",))
+  with pytest.warns(UserWarning) as record:
+    for _ in range(3):
+      state, _ = step(state, classifier_batch())
+  messages = sorted(str(w.message) for w in record)
+  assert len(messages) == 2, messages  # One trace; "b1" selects a leaf.
+  assert messages[0].startswith(
+      "keep rule 'BatchNorm' of the policy selects no floating leaf of params or model_state, "
+      "so it keeps nothing in float32. NNX (and Equinox) names are snake_case")
+  assert messages[0].endswith("The floating leaves are, e.g.: 'b1', 'w1', 'w2'")
+  assert messages[1] == ("keep rule 'targets' of batch_keep_full selects no floating leaf of "
+                         "batch, so it keeps nothing in float32. The floating leaves are, e.g.: 'x'")
+
+
 def test_donation_problems_are_named():
   z = jnp.zeros(3)
   tx = optax.sgd(0.1)

@@ -220,6 +220,55 @@ class Policy:
     )
 
 
+_UNMATCHED_MSG = (
+    "keep rule {rule} of {where} selects no floating leaf of {trees}, so it keeps "
+    "nothing in float32.{hint} The floating leaves are, e.g.: {paths}"
+)
+_SNAKE_CASE_HINT = (
+    " NNX (and Equinox) names are snake_case attribute names (e.g. 'batch_norm' or "
+    "'bn' rather than 'BatchNorm'); Flax linen names are 'BatchNorm_0'."
+)
+
+
+def _rule_name(rule: KeepRule) -> str:
+  if isinstance(rule, str):
+    return repr(rule)
+  name = getattr(rule, "__qualname__", None)
+  return name if isinstance(name, str) else repr(rule)[:60]
+
+
+def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any], where: str) -> None:
+  """Warns (``UserWarning``) for each keep rule that selects no floating leaf of ``trees``.
+
+  A rule that matches nothing is almost always a misspelt or mis-cased name
+  (``"BatchNorm"`` on NNX's ``batch_norm``): without the warning, the leaves
+  it was meant for are silently cast. Rules see each leaf's path inside its
+  own tree, as the casts do.
+
+  Args:
+    rules: the keep rules.
+    trees: the trees the rules apply to, by name (``{"params": ..., ...}``).
+    where: what the rules belong to, for the message (``"the policy"``).
+  """
+  leaves = [(tree_utils.path_str(p), x)
+            for tree in trees.values() if tree is not None
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if tree_utils.is_floating_array(x)]
+  for rule in rules:
+    compiled = _compile_rule(rule)
+    if any(compiled(name, x) for name, x in leaves):
+      continue
+    hint = ""
+    if isinstance(rule, str) and rule != rule.lower():
+      near = [n for n, _ in leaves if re.search(rule, n.replace("_", ""), re.IGNORECASE)][:3]
+      hint = (f" It matches {near} ignoring case and underscores." if near else "")
+      hint += _SNAKE_CASE_HINT
+    paths = ", ".join(repr(n) for n, _ in leaves[:5]) or "none"
+    warnings.warn(_UNMATCHED_MSG.format(
+        rule=_rule_name(rule), where=where, trees=" or ".join(trees), hint=hint,
+        paths=paths + (", ..." if len(leaves) > 5 else "")), UserWarning, stacklevel=2)
+
+
 def _suggestion(name: str, whole: bool) -> str:
   """``"; did you mean ...?"`` from the closest valid names, or ``""``."""
   candidates = [*DTYPE_NAMES, "half"] + (list(_KERAS_NAMES) if whole else [])

@@ -198,6 +198,7 @@ def make_train_step(
     check_masters(state)
     transform.check_outermost(state.tx, state.opt_state)
     scale = transform.loss_scale_of(state.opt_state)
+    stages.warn_unmatched_keep_rules(config, state, batch)
     inputs = stages.cast_inputs(config, state, batch)
     grads = stages.scaled_gradient(config, inputs, scale)
     guard, opt_state = stages.guarded_update(config, state, inputs, grads)

@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jmp_lite._src import filtering
@@ -145,6 +144,20 @@ def cast_inputs(config: StepConfig, state: TrainState, batch: Any) -> Inputs:
   if model_state is not None:
     model_state = config.policy.cast_to_compute(model_state)
   return Inputs(trained_part(view), config.policy.cast_to_compute(view), model_state, batch)
+
+
+def warn_unmatched_keep_rules(config: StepConfig, state: TrainState, batch: Any) -> None:
+  """Warns, at trace time (once per compile), for keep rules that select no leaf.
+
+  The policy's rules apply to the params and the model state, the batch
+  rules (``batch_keep_full``) to the batch when it is cast.
+  """
+  policy_lib.warn_unmatched_keep_rules(
+      config.policy.keep_full, {"params": state.params, "model_state": state.model_state},
+      "the policy")
+  if config.batch_policy is not None:
+    policy_lib.warn_unmatched_keep_rules(
+        config.batch_policy.keep_full, {"batch": batch}, "batch_keep_full")
 
 
 def scaled_gradient(config: StepConfig, inputs: Inputs, scale: jax.Array) -> Gradients:
@@ -351,21 +364,21 @@ def _other_leaves_stored_like(new: Any, old: Any) -> Any:
   def store(path: tree_utils.KeyPath, n: Any, o: Any) -> Any:
     if not filtering.is_traced(o) or tree_utils.is_inexact_array(o):
       return n
-    if isinstance(n, (bool, int, float, complex)):
-      n = jnp.asarray(n)
-    n_dtype, o_dtype = getattr(n, "dtype", None), np.dtype(o.dtype)
-    n_shape = getattr(n, "shape", None)
-    extended = jax.dtypes.extended
-    key_mismatch = n_dtype is None or (
-        jnp.issubdtype(n_dtype, extended) != jnp.issubdtype(o_dtype, extended))
-    if key_mismatch or n_shape != o.shape or (
-        n_dtype != o_dtype and jnp.issubdtype(n_dtype, jnp.inexact)):
-      raise TypeError(_STORE_MSG.format(
-          path=tree_utils.path_str(path), got=f"{n_dtype}{list(n_shape or ())}",
-          stored=f"{o_dtype}{list(o.shape)}"))
-    return n if n_dtype == o_dtype else n.astype(o_dtype)
+    n = jnp.asarray(n) if isinstance(n, (bool, int, float, complex)) else n
+    if filtering.is_traced(n) and n.shape == o.shape:
+      if n.dtype == o.dtype:
+        return n
+      if _is_integer_or_bool(n.dtype) and _is_integer_or_bool(o.dtype):
+        return n.astype(o.dtype)
+    got = f"{getattr(n, 'dtype', type(n).__name__)}{list(getattr(n, 'shape', ()))}"
+    raise TypeError(_STORE_MSG.format(
+        path=tree_utils.path_str(path), got=got, stored=f"{o.dtype}{list(o.shape)}"))
 
   return jax.tree_util.tree_map_with_path(store, new, old)
+
+
+def _is_integer_or_bool(dtype: Any) -> bool:
+  return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
 
 
 def _bind_axis_name(fn: Callable[..., Any], axis_name: str) -> Callable[..., Any]:
