@@ -67,9 +67,37 @@ class _NnxBN(zoo_models.nnx.Module):
     return self.head(self.bn(x))
 
 
+class _EqxBN(zoo_models.eqx.Module):
+  bn: zoo_models.eqx.nn.BatchNorm
+  head: zoo_models.eqx.nn.Linear
+
+  def __init__(self, mode, key):
+    self.bn = zoo_models.eqx.nn.BatchNorm(4, axis_name="batch", momentum=0.99, mode=mode)
+    self.head = zoo_models.eqx.nn.Linear(4, 1, key=key)
+
+  def __call__(self, x, state):
+    x, state = self.bn(x, state)
+    return self.head(x), state
+
+
+def _eqx_bn_problem(mode):
+  jax = zoo_models.jax
+  model, state = zoo_models.eqx.nn.make_with_state(_EqxBN)(mode, jax.random.key(0))
+
+  def loss_fn(model, state, batch):
+    out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        batch["x"], state)
+    return ((out.astype(np.float32) - batch["y"]) ** 2).mean(), state
+
+  index = model.bn.batch_state_index if mode == "batch" else model.bn.ema_state_index
+  return loss_fn, model, state, lambda s: s.get(index)[1]
+
+
 def _bn_problem(framework):
   """loss_fn, params, model_state and a running-variance reader for a BatchNorm model."""
   nn, nnx = zoo_models.nn, zoo_models.nnx
+  if framework == "equinox":
+    return _eqx_bn_problem("batch")
   if framework == "linen":
     model = _LinenBN()
     v = model.init(zoo_models.jax.random.key(0), np.ones((4, 4), np.float32))
@@ -90,7 +118,7 @@ def _bn_problem(framework):
   return nnx_loss, params, rest, lambda s: s["bn"]["var"][...]
 
 
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("framework", ["linen", "nnx", "equinox"])
 def test_batchnorm_running_statistics_track_float32(framework):
   # Inputs of variance ~4 and mean 1: float16's ulp at 4 is 2**-8, so a momentum-0.99
   # update below 0.2 is lost when the statistics are kept in float16.
@@ -108,3 +136,19 @@ def test_batchnorm_running_statistics_track_float32(framework):
     assert var_of(state.model_state).dtype == np.float32  # stored as created
   for policy in ("mixed_float16", "mixed_bfloat16"):
     np.testing.assert_allclose(runs[policy], runs["full"], rtol=0.01, err_msg=policy)
+
+
+def test_equinox_ema_batchnorm_is_a_documented_limit_under_a_half_policy():
+  # mode="ema" selects between the half batch statistics and the float32 running
+  # statistics with lax.select, which needs equal dtypes: Equinox itself refuses at
+  # trace time (docs/equinox.md says to use mode="batch", which trains: see above).
+  loss_fn, model, stats, var_of = _eqx_bn_problem("ema")
+  x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
+  batch = {"x": x, "y": x[:, :1]}
+  state = jmp.TrainState.create(params=model, tx=optax.sgd(1e-3), model_state=stats)
+  for policy in ("mixed_float16", "mixed_bfloat16"):
+    step = jmp.make_train_step(loss_fn, jmp.get_policy(policy), donate=False)
+    with pytest.raises(TypeError, match="lax.select requires arguments to have the same dtypes"):
+      step(state, batch)
+  state, metrics = jmp.make_train_step(loss_fn, jmp.get_policy("full"))(state, batch)
+  assert bool(metrics["grads_finite"]) and var_of(state.model_state).dtype == np.float32

@@ -232,7 +232,7 @@ class EqxVision(eqx.Module):
     k = jax.random.split(key, 3)
     self.conv = eqx.nn.Conv2d(3, 8, 3, padding=1, key=k[0])
     self.group = eqx.nn.GroupNorm(2, 8)
-    self.bn = eqx.nn.BatchNorm(8, axis_name="batch", momentum=0.9, mode="ema")
+    self.bn = eqx.nn.BatchNorm(8, axis_name="batch", momentum=0.9, mode="batch")
     self.pool = eqx.nn.MaxPool2d(2, stride=2)
     self.up = eqx.nn.ConvTranspose2d(8, 8, 2, stride=2, key=k[1])
     self.avg = eqx.nn.AvgPool2d(2, stride=2)

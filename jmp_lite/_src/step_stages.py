@@ -78,7 +78,7 @@ class Inputs(NamedTuple):
       at the others: what the optimizer updates.
     params: the float32 view of the masters cast by the policy (keep rules
       apply): what ``loss_fn`` sees.
-    model_state: the model state cast by the policy, or ``None``.
+    model_state: the state's model state as stored (never cast), or ``None``.
     batch: the batch, cast by the batch policy unless ``cast_batch=False``.
   """
 
@@ -122,10 +122,10 @@ def cast_inputs(config: StepConfig, state: TrainState, batch: Any) -> Inputs:
   if config.batch_policy is not None:
     batch = config.batch_policy.cast_to_compute(batch)
   view = masters.float32_view(state.params)  # float32 masters: as they are
-  model_state = state.model_state
-  if model_state is not None:
-    model_state = config.policy.cast_to_compute(model_state)
-  return Inputs(trained_part(view), config.policy.cast_to_compute(view), model_state, batch)
+  # Model state (BatchNorm running statistics, counters) is state, not compute:
+  # it stays in its stored dtype, as torch keeps buffers in float32 under autocast,
+  # so that an update below half a float16 ulp is not lost.
+  return Inputs(trained_part(view), config.policy.cast_to_compute(view), state.model_state, batch)
 
 
 def scaled_gradient(config: StepConfig, inputs: Inputs, scale: jax.Array) -> Gradients:
