@@ -163,9 +163,11 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
 
   rng = np.random.default_rng(seed)  # the same data order in every mode
   times, metrics = [], []
-  for _ in _common.progress(range(steps), desc=f"{mode:>13}", total=steps, enabled=progress):
+  bar = _common.progress(range(steps), desc=f"{mode:>13}", total=steps, enabled=progress)
+  for _ in bar:
     b = windows(train, rng.integers(0, len(train) - seq_len - 1, batch), seq_len)
     (state, m), seconds = _common.timed_step(step, state, b)
+    _common.show_skips(bar, m)
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "grads_finite")})
   metrics = jax.device_get(metrics)

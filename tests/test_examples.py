@@ -262,3 +262,13 @@ def test_train_digits_by_default_says_what_it_does_then_writes_only_to_out(tmp_p
   first_bar = proc.stdout.index("%|")
   table = proc.stdout.index("| mode | policy ")
   assert header < where < first_bar < table, proc.stdout
+
+
+def test_progress_bars_show_the_current_run_of_skipped_steps(monkeypatch):
+  common = _import_example(monkeypatch, "_common")
+  bar = common.progress(range(3), desc="f16", total=3, enabled=False)
+  common.show_skips(bar, {"loss": 1.0, "consecutive_skips": np.int32(7)})
+  assert bar.postfix == "skips in a row: 7"
+  common.show_skips(bar, {"loss": 1.0})  # no loss scaling: nothing to show
+  assert bar.postfix == "skips in a row: 7"
+  bar.close()

@@ -176,3 +176,20 @@ def test_step_metrics_report_the_loss_the_guard_and_nonfinite_leaves():
   assert not bool(metrics["grads_finite"]) and np.isnan(float(metrics["grad_norm"]))
   nonfinite = {k: bool(v) for k, v in metrics["nonfinite"].items()}
   assert nonfinite == {"w": False, "b": True, "n": False}
+
+
+def test_consecutive_skips_counts_the_current_run_as_a_device_array():
+  tx = jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**4, min_scale=1.0)
+  state = jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=tx)
+  step = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b), jmp.get_policy("mixed_float16"))
+  good, bad = jnp.ones(3), jnp.array([1.0, jnp.nan, 1.0])
+  counts = []
+  for batch in (good, bad, bad, bad, good, bad):
+    state, metrics = step(state, batch)
+    assert isinstance(metrics["consecutive_skips"], jax.Array)
+    counts.append(metrics["consecutive_skips"])
+  assert [int(c) for c in counts] == [0, 1, 2, 3, 0, 1]
+  assert metrics["consecutive_skips"].dtype == jnp.int32
+  plain = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b), jmp.get_policy("mixed_bfloat16"))
+  _, metrics = plain(jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1)), good)
+  assert "consecutive_skips" not in metrics  # no loss-scaling state, nothing to count

@@ -138,8 +138,10 @@ def make_train_step(
     ``grads_finite`` (bool; False means the step was skipped), ``loss_scale``
     (the scale used this step), ``grad_norm`` (global norm of the unscaled
     gradients, float32 or float64 with float64 masters; inf or NaN on a
-    skipped step), ``aux`` when ``has_aux`` and ``nonfinite`` when
-    ``track_nonfinite``.
+    skipped step), ``consecutive_skips`` (int32, the current run of
+    skipped steps; 0 after an applied step) when ``tx`` scales the loss,
+    ``aux`` when ``has_aux`` and ``nonfinite`` when ``track_nonfinite``.
+    Every metric is a device array: reading one is the only host sync.
 
   Raises:
     TypeError: if ``loss_fn`` is not callable, ``policy`` is not a
@@ -200,6 +202,7 @@ def make_train_step(
     guard, opt_state = stages.guarded_update(config, state, inputs, grads)
     new_state = stages.write_back(state, guard, opt_state).replace(
         model_state=stages.next_model_state(state, grads.model_state, guard.finite))
-    return new_state, stages.step_metrics(config, scale, inputs, grads, guard)
+    metrics = stages.step_metrics(config, scale, inputs, grads, guard)
+    return new_state, {**metrics, **stages.skip_metrics(opt_state)}
 
   return TrainStep(step, donate)

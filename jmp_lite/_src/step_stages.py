@@ -238,6 +238,16 @@ def step_metrics(
   return metrics
 
 
+def skip_metrics(opt_state: Any) -> dict[str, Any]:
+  """``consecutive_skips``: the current run of skipped steps, with a loss-scaling ``tx``.
+
+  A device array read from the new optimizer state (no host synchronisation);
+  without a loss-scaling state there is nothing to count and it is absent.
+  """
+  scaler = transform.find_loss_scale_state(opt_state)
+  return {} if scaler is None else {"consecutive_skips": scaler.consecutive_skips}
+
+
 def _call_loss_fn(
     config: StepConfig, with_state: bool, params: Any, model_state: Any, batch: Any
 ) -> tuple[jax.Array, Any, Any]:
