@@ -620,6 +620,24 @@ def test_equinox_module_with_function_leaves():
   assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
 
 
+def test_equinox_python_number_fields_stay_static_eagerly():
+  # MaxPool2d holds init=-inf and Dropout p=0.5 as Python numbers: autocast traces only
+  # the arrays (filtering.py), as the step does, also without eqx.filter_jit around it.
+  k1, k2 = jax.random.split(key(9))
+  conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1)
+  pool, drop, head = eqx.nn.MaxPool2d(2, stride=2), eqx.nn.Dropout(0.5), eqx.nn.Linear(16, 2, key=k2)
+  model = (conv, pool, drop, head)
+
+  def f(model, x, k):
+    conv, pool, drop, head = model
+    return head(drop(pool(jax.nn.relu(conv(x))).reshape(-1), key=k))
+
+  x = jax.random.normal(key(10), (1, 4, 4))
+  out = jmp.autocast(f, jnp.float16)(model, x, key(11))
+  assert out.dtype == F32 and pool.init == -np.inf and drop.p == 0.5
+  assert_close(out, f(model, x, key(11)), HALF_TOL[F16])
+
+
 # --- Lint and the train step ----------------------------------------------------------------
 
 
