@@ -317,7 +317,7 @@ def train_digits(fp8):
   step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"), autocast=True,
                              fp8=fp8)
   rng = np.random.default_rng(1)
-  for _ in range(250):
+  for _ in range(200):
     idx = rng.choice(train_idx, 128, replace=False)
     state, _ = step(state, {"x": x[idx], "y": y[idx]})
   logits = jmp.autocast(mlp, jnp.bfloat16, fp8=fp8)(state.params, x[test_idx])
