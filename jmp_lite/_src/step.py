@@ -17,6 +17,8 @@ from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import step_stages as stages
 from jmp_lite._src import transform
+from jmp_lite._src.fp8 import Float8Recipe
+from jmp_lite._src.fp8 import as_recipe
 from jmp_lite._src.step_call import TrainStep
 from jmp_lite._src.train_state import TrainState
 from jmp_lite._src.train_state import check_masters
@@ -34,6 +36,7 @@ def make_train_step(
     extra_args: Callable[[jax.Array, Any, Any], Mapping[str, Any]] | None = None,
     axis_name: str | None = None,
     autocast: bool = False,
+    fp8: bool | Float8Recipe | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
   """Builds ``step(state, batch) -> (state, metrics)``, compiled with ``jax.jit``.
 
@@ -132,6 +135,11 @@ def make_train_step(
       matmuls and convolutions in the compute dtype. Loss scaling, float32
       masters and the skip are unchanged. Needs a float16 or bfloat16
       compute dtype.
+    fp8: ``True`` or a :class:`Float8Recipe`: autocast's matmuls run in FP8
+      (``autocast(loss_fn, policy.compute_dtype, fp8=fp8)``), with per-tensor
+      current scaling; loss scaling, the masters and the skip are unchanged
+      (a non-finite value in a matmul stays non-finite, so the skip sees it).
+      Needs ``autocast=True``.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
@@ -151,7 +159,7 @@ def make_train_step(
       return a pair, or the params' dtypes are not the state's
       ``master_dtype`` (a hand-built state).
     ValueError: if ``autocast`` is set and ``policy.compute_dtype`` is not
-      float16 or bfloat16; when the step is called with params or a batch
+      float16 or bfloat16, or ``fp8`` is set without ``autocast``; when the step is called with params or a batch
       whose tree structure differs from the first call's, with a static batch
       leaf whose value differs from the first call's, with a deleted
       (already donated) or aliased array, with a nested loss-scaling
@@ -181,8 +189,11 @@ def make_train_step(
   cast_batch = checks.boolean("cast_batch", cast_batch)
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
+  recipe = as_recipe(fp8)
   if checks.boolean("autocast", autocast):
-    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype)
+    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype, fp8=recipe)
+  elif recipe is not None:
+    raise ValueError(f"fp8={fp8!r} needs autocast=True: the FP8 matmuls are autocast's")
   if extra_args is not None and not callable(extra_args):
     raise TypeError(f"extra_args must be a callable (loss, aux, batch) -> dict, got {extra_args!r}")
   batch_policy = policy_lib.Policy(
