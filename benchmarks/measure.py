@@ -67,7 +67,7 @@ GPU_BARS = (
 
 # Time ratios of one variant to another (not to fp32) that the report prints,
 # with their CPU-time ratios.
-PAIR_RATIOS = ("overhead", "vs_jmp", "vs_flax", "autocast_vs_dynamic")
+PAIR_RATIOS = ("overhead", "vs_jmp", "vs_flax", "autocast_vs_dynamic", "fp8_vs_bf16_autocast")
 
 # The most steps one timed sample may hold.
 MAX_INNER = 200
@@ -370,6 +370,7 @@ def ratios(records: dict[str, dict[str, Any]], times: dict[str, list[float]]) ->
   time_ratio("vs_jmp", "f16_dynamic", "jmp_dynamic")
   time_ratio("vs_flax", "f16_dynamic", "flax_dynamic")
   time_ratio("autocast_vs_dynamic", "f16_autocast", "f16_dynamic")
+  time_ratio("fp8_vs_bf16_autocast", "bf16_fp8", "bf16_autocast")  # No bar: emulated on CPU.
   time_ratio("bf16_vs_fp32_highest", "bf16", "fp32_highest")
   dispatch = records.get("f16_dynamic", {}).get("dispatch")
   if dispatch is not None:

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = cli.parser(
       PROG,
       __doc__,
-      "Variants (fp32_highest only on GPU; f16_autocast only when named): "
+      "Variants (fp32_highest only on GPU; f16_autocast, bf16_autocast and bf16_fp8 only "
+      "when named): "
       + ", ".join(variants_lib.VARIANTS),
   )
   p.add_argument(

@@ -13,6 +13,12 @@ is jitted with its state donated:
                 in float16, the float32-list ops (softmax, normalisation
                 statistics, the loss...) in float32. Not in the default set;
                 name it: ``--variants f16_dynamic,f16_autocast``.
+  bf16_autocast ``bf16`` with ``make_train_step(..., autocast=True)``.
+  bf16_fp8      the same with ``fp8=True``: every matmul on float8 operands
+                (per-tensor current scaling), compared to ``bf16_autocast``.
+                Without a GPU with FP8 tensor cores XLA emulates the float8
+                dots, so on a CPU it is slower, not faster. Not in the default
+                set; name it: ``--variants bf16_autocast,bf16_fp8``.
   f16_noscale   the overhead baseline, written by hand with no loss scaling and
                 no skip logic at all: cast to f16, grad, adam, apply.
   jmp_dynamic   the classic hand-written jmp step: ``jmp.DynamicLossScale``,
@@ -43,6 +49,8 @@ VARIANTS = (
     "bf16",
     "f16_dynamic",
     "f16_autocast",
+    "bf16_autocast",
+    "bf16_fp8",
     "f16_noscale",
     "jmp_dynamic",
     "flax_dynamic",
@@ -53,13 +61,16 @@ LABELS = {
     "bf16": "jmp_lite bf16",
     "f16_dynamic": "jmp_lite f16 + dynamic scaling",
     "f16_autocast": "jmp_lite f16 + dynamic scaling, autocast",
+    "bf16_autocast": "jmp_lite bf16, autocast",
+    "bf16_fp8": "jmp_lite bf16, autocast + FP8 matmuls",
     "f16_noscale": "f16, no scaling (hand-written)",
     "jmp_dynamic": "jmp f16 + dynamic (hand-written)",
     "flax_dynamic": "Flax DynamicScale f16",
 }
 
 # What ``--variants all`` runs (``fp32_highest`` only on a GPU).
-DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n != "f16_autocast")
+ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8")
+DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ONLY_WHEN_NAMED)
 
 LEARNING_RATE = 1e-3
 INIT_SCALE = 2.0**15
@@ -241,8 +252,8 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
         precision="highest" if name == "fp32_highest" else None,
     )
     return Variant(name, jit(step), plain_init)
-  if name in ("bf16", "f16_dynamic", "f16_autocast"):
-    if name == "bf16":
+  if name in ("bf16", "f16_dynamic", "f16_autocast", "bf16_autocast", "bf16_fp8"):
+    if name.startswith("bf16"):
       policy = jmp_lite.get_policy("mixed_bfloat16")
       lib_tx = jmp_lite.static_loss_scaling(tx, 1.0)
     else:
@@ -253,7 +264,8 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
     return Variant(
         name,
         # Jitted, donates the state.
-        jmp_lite.make_train_step(problem.loss_fn, policy, autocast=name == "f16_autocast"),
+        jmp_lite.make_train_step(problem.loss_fn, policy, autocast=name in ONLY_WHEN_NAMED,
+                                 fp8=name == "bf16_fp8"),
         lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=lib_tx),
         lambda s: jmp_lite.loss_scale_of(s.opt_state),
     )

@@ -8,7 +8,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,16 @@ def announce_output(out: Path | None) -> None:
 def progress(iterable: Iterable[Any], *, desc: str, total: int, enabled: bool = True):
   """A tqdm progress bar over ``iterable`` (a plain iterator when disabled)."""
   return tqdm.tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False, ncols=90)
+
+
+def show_skips(bar: Any, metrics: Mapping[str, Any]) -> None:
+  """Shows the current run of skipped steps (``consecutive_skips``) on a progress bar.
+
+  The examples time each step, so the metrics are already on the host side of
+  a finished step: reading one costs no extra synchronisation.
+  """
+  if "consecutive_skips" in metrics and isinstance(bar, tqdm.tqdm):
+    bar.set_postfix_str(f"skips in a row: {int(metrics['consecutive_skips'])}", refresh=False)
 
 
 def timed_step(step: Callable[..., Any], *args: Any) -> tuple[Any, float]:

@@ -192,12 +192,14 @@ def run(
 
   times, metrics = [], []
   desc = mode if masters == "f32" else f"{mode}/{masters}"
-  for i in _common.progress(range(steps), desc=f"{desc:>4}", total=steps, enabled=progress):
+  bar = _common.progress(range(steps), desc=f"{desc:>4}", total=steps, enabled=progress)
+  for i in bar:
     j = i % len(x_tr)
     if j == 0:  # a new pass over the training streams starts from a zero state
       carries = zero_carries(batch)
     b = {"x": x_tr[j], "y": y_tr[j], "carries": carries}
     (state, m), seconds = _common.timed_step(step, state, b)
+    _common.show_skips(bar, m)
     carries = m["aux"]
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "grads_finite")})

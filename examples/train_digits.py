@@ -170,9 +170,11 @@ def run(
 
   times, metrics = [], []
   desc = mode if masters == "f32" else f"{mode}/{masters}"
-  for idx in _common.progress(order, desc=f"{desc:>4}", total=len(order), enabled=progress):
+  bar = _common.progress(order, desc=f"{desc:>4}", total=len(order), enabled=progress)
+  for idx in bar:
     b = {"x": data.x_train[idx], "y": data.y_train[idx]}
     (state, m), seconds = _common.timed_step(step, state, b)
+    _common.show_skips(bar, m)
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "loss_scale", "grads_finite")})
   metrics = jax.device_get(metrics)

@@ -1,8 +1,11 @@
 """A byte-level Transformer language model, trained four ways: fp32, params-only f16, autocast.
 
+Two more modes, FP8 matmuls through autocast, run when named (``--modes``).
+
     python examples/transformer_lm.py                          # a few minutes on a 2-core CPU; writes out/
     python examples/transformer_lm.py --out examples/results   # regenerate the committed results
     python examples/transformer_lm.py --smoke                  # seconds, for CI; writes nothing
+    python examples/transformer_lm.py --modes autocast_bf16 fp8_bf16 fp8_f16   # FP8 vs bf16
 
 The model is written the natural way, with no casts anywhere: a Flax Linen
 decoder (token and position embeddings, pre-LayerNorm blocks of causal
@@ -23,7 +26,12 @@ changes:
 * ``autocast_f16``: the same policy with ``make_train_step(..., autocast=True)``:
   matmuls in float16, softmax, LayerNorm statistics, the loss and every other
   float32-list op in float32;
-* ``autocast_bf16``: policy ``mixed_bfloat16`` with ``autocast=True``.
+* ``autocast_bf16``: policy ``mixed_bfloat16`` with ``autocast=True``;
+* ``fp8_bf16`` and ``fp8_f16`` (not run by default): ``autocast=True, fp8=True``
+  with ``mixed_bfloat16`` and ``mixed_float16``: every matmul on float8
+  operands with per-tensor current scaling, the rest as autocast. Without a
+  GPU with FP8 tensor cores, XLA emulates them (slower than bf16). Their
+  results are named ``transformer_lm_fp8.*``.
 
 The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
@@ -55,13 +63,16 @@ from char_lm import load_corpus, split
 
 VOCAB = 256  # bytes
 NAME = "transformer_lm"
-# mode: (policy, autocast)
+# mode: (policy, autocast, fp8)
 MODES = {
-    "fp32": ("f32", False),
-    "mixed_f16": ("mixed_float16", False),
-    "autocast_f16": ("mixed_float16", True),
-    "autocast_bf16": ("mixed_bfloat16", True),
+    "fp32": ("f32", False, False),
+    "mixed_f16": ("mixed_float16", False, False),
+    "autocast_f16": ("mixed_float16", True, False),
+    "autocast_bf16": ("mixed_bfloat16", True, False),
+    "fp8_bf16": ("mixed_bfloat16", True, True),
+    "fp8_f16": ("mixed_float16", True, True),
 }
+DEFAULT_MODES = ("fp32", "mixed_f16", "autocast_f16", "autocast_bf16")
 
 
 class Block(nn.Module):
@@ -102,6 +113,7 @@ class Result:
   mode: str
   policy: str
   autocast: bool
+  fp8: bool
   valid_bpb: float  # bits per byte on the validation text
   train_loss: float  # mean of the last 50 steps, nats per byte
   step_ms: float
@@ -127,11 +139,12 @@ def loss_fn(model: TransformerLM, params, batch, naive: bool = False) -> jax.Arr
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, batch: int) -> float:
+def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, batch: int,
+             fp8: bool = False) -> float:
   """Bits per byte over the validation text, in the mode's precision."""
   apply = model.apply
   if autocast:
-    apply = jmp.autocast(apply, policy.compute_dtype)
+    apply = jmp.autocast(apply, policy.compute_dtype, fp8=fp8)
 
   @jax.jit
   def nll(params, b):
@@ -152,20 +165,23 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
   """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
-  policy_name, autocast = MODES[mode]
+  policy_name, autocast, fp8 = MODES[mode]
   policy = jmp.get_policy(policy_name)
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr / 10)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   if policy.compute_dtype == jnp.float16:
     tx = jmp.dynamic_loss_scaling(tx, init_scale=2.0**15)
   state = jmp.TrainState.create(params=params, tx=tx)
-  step = jmp.make_train_step(lambda p, b: loss_fn(model, p, b, naive), policy, autocast=autocast)
+  step = jmp.make_train_step(lambda p, b: loss_fn(model, p, b, naive), policy, autocast=autocast,
+                             fp8=fp8)
 
   rng = np.random.default_rng(seed)  # the same data order in every mode
   times, metrics = [], []
-  for _ in _common.progress(range(steps), desc=f"{mode:>13}", total=steps, enabled=progress):
+  bar = _common.progress(range(steps), desc=f"{mode:>13}", total=steps, enabled=progress)
+  for _ in bar:
     b = windows(train, rng.integers(0, len(train) - seq_len - 1, batch), seq_len)
     (state, m), seconds = _common.timed_step(step, state, b)
+    _common.show_skips(bar, m)
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "grads_finite")})
   metrics = jax.device_get(metrics)
@@ -175,7 +191,8 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
       mode=mode,
       policy=str(policy),
       autocast=autocast,
-      valid_bpb=evaluate(model, policy, autocast, state.params, valid, seq_len, batch),
+      fp8=fp8,
+      valid_bpb=evaluate(model, policy, autocast, state.params, valid, seq_len, batch, fp8),
       train_loss=float(losses[-50:].mean()),
       step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
       skipped=int((~finite).sum()),
@@ -191,7 +208,7 @@ def table(results: Sequence[Result]) -> str:
       [
           r.mode,
           r.policy,
-          "yes" if r.autocast else "no",
+          ("yes, fp8" if r.fp8 else "yes") if r.autocast else "no",
           f"{r.valid_bpb:.4f}",
           f"{100 * (r.valid_bpb / base.valid_bpb - 1):+.2f}%",
           f"{r.train_loss:.3f}",
@@ -202,13 +219,14 @@ def table(results: Sequence[Result]) -> str:
       ]
       for r in results
   ]
-  headers = ["mode", "policy", "autocast", "valid bits/byte", "vs fp32", "train loss (last 50)",
-             "step ms (median)", "time vs fp32", "skipped steps", "final scale"]
+  headers = ["mode", "policy", "autocast", "valid bits/byte", f"vs {base.mode}",
+             "train loss (last 50)", "step ms (median)", f"time vs {base.mode}", "skipped steps",
+             "final scale"]
   return _common.markdown_table(headers, rows)
 
 
 def plot(results: Sequence[Result], path: Path, loss: str) -> None:
-  """Training loss curves (left) and each mode's difference from fp32 (right)."""
+  """Training loss curves (left) and each mode's difference from fp32 (or the first mode)."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -223,7 +241,7 @@ def plot(results: Sequence[Result], path: Path, loss: str) -> None:
     count = np.convolve(ok.astype(float), np.ones(window), mode="valid")
     return np.where(count > 0, total / np.maximum(count, 1), np.nan) / math.log(2)
 
-  base = next((r for r in results if r.mode == "fp32"), None)
+  base = next((r for r in results if r.mode == "fp32"), results[0])
   steps = np.arange(len(results[0].losses) - window + 1) + window
   for r in results:
     label = f"{r.mode}: valid {r.valid_bpb:.3f} bits/byte, {r.skipped} skipped"
@@ -233,7 +251,7 @@ def plot(results: Sequence[Result], path: Path, loss: str) -> None:
     if skipped.size:
       ax1.plot(skipped, np.full(skipped.size, 0.02), "|", color=line.get_color(), alpha=0.5,
                transform=ax1.get_xaxis_transform())
-    if base is not None and r is not base:
+    if r is not base:
       ax2.plot(steps, mean(curve) - mean(base.losses), color=line.get_color(), label=r.mode)
   ax1.set_xlabel("step")
   ax1.set_ylabel(f"training loss, bits/byte ({window}-step mean of applied steps)")
@@ -241,8 +259,8 @@ def plot(results: Sequence[Result], path: Path, loss: str) -> None:
   ax1.legend()
   ax2.axhline(0.0, color="black", lw=0.8)
   ax2.set_xlabel("step")
-  ax2.set_ylabel("training loss minus fp32's, bits/byte")
-  ax2.set_title("Difference from fp32")
+  ax2.set_ylabel(f"training loss minus {base.mode}'s, bits/byte")
+  ax2.set_title(f"Difference from {base.mode}")
   ax2.legend()
   for ax in (ax1, ax2):
     ax.grid(alpha=0.3)
@@ -278,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="MB of stdlib source to read (default: %(default)s; --smoke: 0.05)")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the initial weights and the windows (default: %(default)s)")
-  p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
-                 help="the runs, in order (default: %(default)s)")
+  p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(DEFAULT_MODES),
+                 help="the runs, in order; the first is the baseline of the table "
+                      "(default: %(default)s)")
   p.add_argument("--loss", choices=("optax", "naive"), default="optax",
                  help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
                       "(results named transformer_lm_naive.*) (default: %(default)s)")
@@ -303,6 +322,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[Result]:
   args = parse_args(argv)
   name = NAME if args.loss == "optax" else f"{NAME}_naive"
+  if any(MODES[m][2] for m in args.modes):
+    name += "_fp8"
   train_tokens, valid_tokens = split(load_corpus(int(args.corpus_mb * 2**20)))
   model = TransformerLM(d_model=args.d_model, layers=args.layers, heads=args.heads,
                         max_len=args.seq_len)
@@ -317,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   params = jax.jit(model.init)(*init_args)
   results = []
   for mode in args.modes:
-    print(f"training {mode} (policy {MODES[mode][0]}, autocast {MODES[mode][1]}) ...", flush=True)
+    policy_name, autocast, fp8 = MODES[mode]
+    print(f"training {mode} (policy {policy_name}, autocast {autocast}"
+          f"{', fp8' if fp8 else ''}) ...", flush=True)
     results.append(run(mode, model, params, train_tokens, valid_tokens, steps=args.steps,
                        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                        naive=args.loss == "naive", progress=not args.no_progress))

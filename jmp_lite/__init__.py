@@ -6,6 +6,7 @@ optax loss-scaling transformation and a jit-compiled train step.
 
 from jmp_lite._src.autocast import autocast
 from jmp_lite._src.autocast_lists import AutocastLists
+from jmp_lite._src.fp8 import Float8Recipe
 from jmp_lite._src.grad_report import GradientReport
 from jmp_lite._src.grad_report import LeafStats
 from jmp_lite._src.grad_report import gradient_report
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AutocastLists",
     "DynamicLossScale",
+    "Float8Recipe",
     "GradientReport",
     "LeafStats",
     "LintFinding",

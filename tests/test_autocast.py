@@ -19,6 +19,7 @@ from jax.extend.core import primitives as jex_primitives
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jmp_lite as jmp
+from jmp_lite._src import autocast_fp8
 from jmp_lite._src import autocast_interpret as interp
 from jmp_lite._src import autocast_lists
 from jmp_lite._src import jaxpr_utils
@@ -620,6 +621,24 @@ def test_equinox_module_with_function_leaves():
   assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
 
 
+def test_equinox_python_number_fields_stay_static_eagerly():
+  # MaxPool2d holds init=-inf and Dropout p=0.5 as Python numbers: autocast traces only
+  # the arrays (filtering.py), as the step does, also without eqx.filter_jit around it.
+  k1, k2 = jax.random.split(key(9))
+  conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1)
+  pool, drop, head = eqx.nn.MaxPool2d(2, stride=2), eqx.nn.Dropout(0.5), eqx.nn.Linear(16, 2, key=k2)
+  model = (conv, pool, drop, head)
+
+  def f(model, x, k):
+    conv, pool, drop, head = model
+    return head(drop(pool(jax.nn.relu(conv(x))).reshape(-1), key=k))
+
+  x = jax.random.normal(key(10), (1, 4, 4))
+  out = jmp.autocast(f, jnp.float16)(model, x, key(11))
+  assert out.dtype == F32 and pool.init == -np.inf and drop.p == 0.5
+  assert_close(out, f(model, x, key(11)), HALF_TOL[F16])
+
+
 # --- Lint and the train step ----------------------------------------------------------------
 
 
@@ -786,6 +805,7 @@ def test_a_half_rule_runs_for_half_list_ops_only_and_inside_nested_jit_and_scan(
     h = jax.lax.scan(lambda c, m: (2 * (c @ m), None), h, mult)[0]
     return jnp.exp(h).sum() + jnp.einsum("bij,bjk->bik", mult, mult).sum()
 
+  previous = interp.HALF_RULES["dot_general"]  # autocast's FP8 rule
   interp.register_half_rule("dot_general", doubled)
   try:
     got = jmp.autocast(f, jnp.float16)(w, x, mult)
@@ -798,5 +818,5 @@ def test_a_half_rule_runs_for_half_list_ops_only_and_inside_nested_jit_and_scan(
     got = jmp.autocast(lambda a, b: a @ b, jnp.float16, lists=lists)(w, x.T)
     assert not calls and got.dtype == F32
   finally:
-    interp.HALF_RULES.pop("dot_general")
-  assert "dot_general" not in interp.HALF_RULES
+    interp.register_half_rule("dot_general", previous)
+  assert interp.HALF_RULES["dot_general"] is autocast_fp8.rule

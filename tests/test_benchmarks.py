@@ -301,6 +301,22 @@ def test_f16_autocast_variant_keeps_softmax_in_float32_and_is_compared_to_f16_dy
   assert result["variants"]["f16_autocast"]["label"] == variants_lib.LABELS["f16_autocast"]
 
 
+def test_fp8_variant_runs_only_when_named_and_is_compared_to_bf16_autocast():
+  assert not {"bf16_autocast", "bf16_fp8"} & set(_parse(run, ["--smoke"]).names)
+  problem = models.build_problem("mlp", "smoke")
+  variant = variants_lib.make_variant("bf16_fp8", problem)
+  report_ = jmp.precision_report(variant.fn, variant.init(), problem.batch)
+  assert report_.count("matmul") == report_.count("matmul", "float8_e4m3fn") + report_.count(
+      "matmul", "float8_e4m3fn+float8_e5m2") > 0
+  result = measure.bench_model(
+      problem, ["bf16_autocast", "bf16_fp8"], repeats=2, warmup=1, target_s=1e-9,
+      on_gpu=False, peak_tflops=None, peaks={}, progress=_NoProgress(), meaningful=False)
+  samples = {n: v["step_s"]["samples"] for n, v in result["variants"].items()}
+  assert result["ratios"]["fp8_vs_bf16_autocast"] == (
+      statistics.median(samples["bf16_fp8"]) / statistics.median(samples["bf16_autocast"]))
+  assert not any("fp8" in b["bar"] for b in result["bars"])  # emulated on CPU: no bar
+
+
 def test_gpu_bars_add_the_skip_overhead_and_the_host_sync_check():
   ratios = {"overhead": 1.025, "dispatch_fraction": 0.97, "vs_flax": 0.9}
   cpu = {(b["bar"], b["limit"]) for b in measure.check_bars("mlp", ratios, on_gpu=False)}

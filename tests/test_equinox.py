@@ -103,3 +103,69 @@ def test_policy_casts_equinox_modules_leafwise():
   cast = jmp.get_policy("mixed_bfloat16").cast_to_compute(model)
   assert type(cast) is type(model) and cast.activation is model.activation
   assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(eqx.filter(cast, eqx.is_array)))
+
+
+class _Pooled(eqx.Module):
+  """Stock layers whose fields are Python numbers and bools (MaxPool2d's -inf, Dropout's p)."""
+
+  conv: eqx.nn.Conv2d
+  pool: eqx.nn.MaxPool2d
+  avg: eqx.nn.AvgPool2d
+  dropout: eqx.nn.Dropout
+  head: eqx.nn.Linear
+  scale: float = 2.0  # a plain Python number field: static, never trained
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1)
+    self.pool = eqx.nn.MaxPool2d(2, stride=2)
+    self.avg = eqx.nn.AvgPool2d(2, stride=2)
+    self.dropout = eqx.nn.Dropout(0.25)
+    self.head = eqx.nn.Linear(4, 1, key=k2)
+
+  def __call__(self, x, key):
+    h = self.avg(self.pool(jax.nn.relu(self.conv(x))))
+    return self.head(self.dropout(h.reshape(-1), key=key)) * self.scale
+
+
+def test_python_fields_of_equinox_modules_stay_static():
+  model = _Pooled(jax.random.key(0))
+  state = jmp.TrainState.create(params=model, tx=optax.adam(1e-2))
+  static = lambda m: (m.pool.init, m.dropout.p, m.dropout.inference, m.scale)
+  assert static(state.params) == static(model)
+  assert all(not isinstance(v, jax.Array) for v in static(state.params))
+  assert state.params.conv.weight is not model.conv.weight  # arrays are the state's own copies
+  opt_leaves = jax.tree.leaves(state.opt_state)
+  assert len(opt_leaves) == 1 + 2 * len(jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+  x = jax.random.normal(jax.random.key(1), (16, 1, 4, 4))
+  batch = {"x": x, "y": x.mean(axis=(1, 2, 3))[:, None], "key": jax.random.key(2)}
+
+  traces = []
+
+  def loss_fn(model, batch):
+    traces.append(1)
+    keys = jax.random.split(batch["key"], batch["x"].shape[0])
+    pred = jax.vmap(model)(batch["x"], keys).astype(jnp.float32)
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+  for policy in ("full", "mixed_float16", "mixed_bfloat16"):
+    traces.clear()
+    step = jmp.make_train_step(loss_fn, jmp.get_policy(policy))
+    s = jmp.TrainState.create(params=model, tx=optax.adam(1e-2))
+    losses = []
+    for _ in range(4):
+      s, metrics = step(s, batch)
+      losses.append(float(metrics["loss"]))
+    assert bool(metrics["grads_finite"]) and static(s.params) == static(model)
+    assert len(traces) == 1 and losses[-1] < losses[0], (policy, len(traces), losses)
+
+
+def test_python_numbers_in_a_plain_dict_are_trained_arrays():
+  # Outside an Equinox module a Python float is a parameter, as jax.jit and optax see it.
+  state = jmp.TrainState.create(params={"w": jnp.ones(2), "b": 0.5}, tx=optax.sgd(0.1))
+  assert isinstance(state.params["b"], jax.Array) and state.params["b"].dtype == jnp.float32
+  step = jmp.make_train_step(lambda p, x: jnp.sum(p["w"] * x) + p["b"] * 3.0,
+                             jmp.get_policy("mixed_bfloat16"))
+  state, _ = step(state, jnp.ones(2))
+  np.testing.assert_allclose(float(state.params["b"]), 0.5 - 0.1 * 3.0, rtol=1e-6)

@@ -90,10 +90,29 @@ def test_transformer_lm_smoke_trains_four_ways(tmp_path):
   assert payload["config"]["smoke"] is True
   assert [r["mode"] for r in results] == modes
   assert [r["autocast"] for r in results] == [False, False, True, True]
+  assert not any(r["fp8"] for r in results)
   assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
   assert results[2]["final_scale"] >= 2.0**14 and results[3]["final_scale"] == 1.0
   png = (tmp_path / "transformer_lm.png").read_bytes()
   assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+@pytest.mark.slow
+def test_transformer_lm_smoke_fp8_modes(tmp_path):
+  proc = _run_smoke("transformer_lm.py", tmp_path, "--modes", "autocast_bf16", "fp8_bf16",
+                    "fp8_f16")
+  assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
+  assert "| mode          | policy             | autocast | valid bits/byte | vs autocast_bf16 " \
+      in proc.stdout, proc.stdout
+  payload = json.loads((tmp_path / "transformer_lm_fp8.json").read_text())
+  results = payload["results"]
+  assert [(r["mode"], r["autocast"], r["fp8"]) for r in results] == [
+      ("autocast_bf16", True, False), ("fp8_bf16", True, True), ("fp8_f16", True, True)]
+  assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
+  bpb = [r["valid_bpb"] for r in results]
+  assert max(bpb) < 1.01 * min(bpb)  # a few steps from the same weights: FP8 tracks bf16
+  assert results[2]["final_scale"] >= 2.0**14
+  assert (tmp_path / "transformer_lm_fp8.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.fixture
@@ -262,3 +281,13 @@ def test_train_digits_by_default_says_what_it_does_then_writes_only_to_out(tmp_p
   first_bar = proc.stdout.index("%|")
   table = proc.stdout.index("| mode | policy ")
   assert header < where < first_bar < table, proc.stdout
+
+
+def test_progress_bars_show_the_current_run_of_skipped_steps(monkeypatch):
+  common = _import_example(monkeypatch, "_common")
+  bar = common.progress(range(3), desc="f16", total=3, enabled=False)
+  common.show_skips(bar, {"loss": 1.0, "consecutive_skips": np.int32(7)})
+  assert bar.postfix == "skips in a row: 7"
+  common.show_skips(bar, {"loss": 1.0})  # no loss scaling: nothing to show
+  assert bar.postfix == "skips in a row: 7"
+  bar.close()

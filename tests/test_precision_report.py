@@ -155,3 +155,35 @@ def test_a_matmul_with_a_literal_operand_is_counted():
   report = jmp.precision_report(f, jnp.ones(3))
   assert report.count("matmul", "float32") == 1
   assert jmp.precision_lint(f, jnp.ones(3), policy="mixed_float16") is not None
+
+
+def test_nnx_batchnorm_with_float32_statistics_promotes_the_layers_after_it():
+  # The step keeps model state in its stored dtype (float32 running statistics).
+  # NNX BatchNorm promotes its input with them, so the Linear after it runs in
+  # float32 under a plain half policy: the report shows it, the lint flags it,
+  # and autocast runs it in half again.
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+      self.bn = nnx.BatchNorm(8, rngs=rngs)
+      self.head = nnx.Linear(8 * 16, 16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(nnx.relu(self.bn(self.conv(x))).reshape(x.shape[0], -1))
+
+  graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+
+  def loss_fn(params, rest, x):
+    model = nnx.merge(graphdef, params, rest)
+    return model(x).astype(F32).mean(), nnx.state(model, nnx.Not(nnx.Param))
+
+  x = jnp.ones((4, 4, 4, 1))
+  kw = dict(policy="mixed_float16", model_state=rest)
+  plain = jmp.precision_report(loss_fn, params, x, **kw)
+  assert (plain.count("conv", "float16"), plain.count("matmul", "float32")) == (1, 1)
+  lint = jmp.precision_lint(loss_fn, params, x, **kw)
+  assert [f.op for f in lint if f.reason.startswith("runs in float32")] == ["dot_general"]
+  fixed = jmp.precision_report(loss_fn, params, x, autocast=True, **kw)
+  assert (fixed.count("conv", "float16"), fixed.count("matmul", "float16")) == (1, 1)

@@ -20,7 +20,7 @@ DOCUMENTED = {
     # Lean master weights.
     "apply_updates",
     # Autocast.
-    "autocast", "AutocastLists",
+    "autocast", "AutocastLists", "Float8Recipe",
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",

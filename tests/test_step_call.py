@@ -1,5 +1,8 @@
 """Calling the step: static (non-array) batch leaves are compile-time values, checked per call."""
 
+import time
+
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -104,3 +107,23 @@ def test_flaxs_train_state_is_named_next_to_jmp_lites():
     step(flax_state, {"x": jnp.ones(2), "scale": 1.0})
   with pytest.raises(TypeError, match=r"got dict$"):
     step({"params": {"w": jnp.ones(2)}}, {"x": jnp.ones(2), "scale": 1.0})
+
+
+def test_the_step_dispatches_asynchronously_with_its_skip_metrics():
+  # The Python side of a call (structure checks, donation checks, consecutive_skips)
+  # never waits on the device: the call returns while the heavy step still runs.
+  def loss_fn(params, x):
+    return jnp.mean(jnp.linalg.matrix_power(x * params["w"], 24).astype(jnp.float32))
+
+  x = jnp.full((1024, 1024), 1.0 / 1024)
+  tx = jmp.dynamic_loss_scaling(optax.sgd(1e-3))
+  state = jmp.TrainState.create(params={"w": jnp.ones(())}, tx=tx)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"))
+  state, metrics = jax.block_until_ready(step(state, x))  # compiled
+  start = time.perf_counter()
+  state, metrics = step(state, x)
+  dispatched = time.perf_counter() - start
+  jax.block_until_ready((state, metrics))
+  total = time.perf_counter() - start
+  assert int(metrics["consecutive_skips"]) == 0
+  assert dispatched < 0.25 * total, (dispatched, total)

@@ -31,7 +31,7 @@ def _gradients(config, state, scale):
   return inputs, stages.scaled_gradient(config, inputs, jnp.float32(scale))
 
 
-def test_cast_inputs_casts_params_model_state_and_floating_batch_leaves(maybe_jit):
+def test_cast_inputs_casts_params_and_floating_batch_leaves_never_model_state(maybe_jit):
   state = _state(model_state={"mean": jnp.ones(3), "count": 2})
   keep_b = jmp.Policy(jnp.float32, jnp.float16, jnp.float32, keep_full=("b",))
   config = stages.StepConfig(_linear_loss, keep_b, batch_policy=F16)
@@ -39,7 +39,7 @@ def test_cast_inputs_casts_params_model_state_and_floating_batch_leaves(maybe_ji
   assert (inputs.params["w"].dtype, inputs.params["b"].dtype) == (jnp.float16, jnp.float32)
   assert inputs.params["n"].dtype == jnp.int32 and int(inputs.params["n"]) == 7
   assert inputs.trained["w"].dtype == jnp.float32 and inputs.trained["n"] is None
-  assert inputs.model_state["mean"].dtype == jnp.float16
+  assert inputs.model_state["mean"].dtype == jnp.float32  # state, not compute (issue 21)
   assert inputs.model_state["count"].dtype == jnp.int32
   assert (inputs.batch["x"].dtype, inputs.batch["y"].dtype) == (jnp.float16, jnp.int32)
   assert inputs.params["w"].tolist() == [1.0, -2.0, 0.5]
@@ -261,3 +261,20 @@ def test_step_metrics_report_the_loss_the_guard_and_nonfinite_leaves():
   assert not bool(metrics["grads_finite"]) and np.isnan(float(metrics["grad_norm"]))
   nonfinite = {k: bool(v) for k, v in metrics["nonfinite"].items()}
   assert nonfinite == {"w": False, "b": True, "n": False}
+
+
+def test_consecutive_skips_counts_the_current_run_as_a_device_array():
+  tx = jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**4, min_scale=1.0)
+  state = jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=tx)
+  step = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b), jmp.get_policy("mixed_float16"))
+  good, bad = jnp.ones(3), jnp.array([1.0, jnp.nan, 1.0])
+  counts = []
+  for batch in (good, bad, bad, bad, good, bad):
+    state, metrics = step(state, batch)
+    assert isinstance(metrics["consecutive_skips"], jax.Array)
+    counts.append(metrics["consecutive_skips"])
+  assert [int(c) for c in counts] == [0, 1, 2, 3, 0, 1]
+  assert metrics["consecutive_skips"].dtype == jnp.int32
+  plain = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b), jmp.get_policy("mixed_bfloat16"))
+  _, metrics = plain(jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1)), good)
+  assert "consecutive_skips" not in metrics  # no loss-scaling state, nothing to count

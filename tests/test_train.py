@@ -475,7 +475,7 @@ def test_keep_rules_that_select_nothing_warn_once_per_compile():
   messages = sorted(str(w.message) for w in record)
   assert len(messages) == 2, messages  # One trace; "b1" selects a leaf.
   assert messages[0].startswith(
-      "keep rule 'BatchNorm' of the policy selects no floating leaf of params or model_state, "
+      "keep rule 'BatchNorm' of the policy selects no floating leaf of params, "
       "so it keeps nothing in float32. NNX (and Equinox) names are snake_case")
   assert messages[0].endswith("The floating leaves are, e.g.: 'b1', 'w1', 'w2'")
   assert messages[1] == ("keep rule 'targets' of batch_keep_full selects no floating leaf of "

@@ -23,9 +23,11 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_lite._src import autocast_control
+from jmp_lite._src import autocast_fp8
 from jmp_lite._src import autocast_interpret as interp
 from jmp_lite._src import autocast_lists
 from jmp_lite._src import filtering
+from jmp_lite._src import fp8 as fp8_lib
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -37,6 +39,7 @@ def _register() -> None:
   """Gives the interpreter its handlers for higher-order primitives."""
   for name, (fn, params) in autocast_control.HANDLERS.items():
     interp.register_handler(name, fn, params)
+  interp.register_half_rule("dot_general", autocast_fp8.rule)
 
 
 _register()
@@ -57,6 +60,7 @@ def autocast(
     dtype: DTypeLike,
     *,
     lists: Union[autocast_lists.AutocastLists, None] = None,
+    fp8: Union[bool, fp8_lib.Float8Recipe, None] = None,
 ) -> Callable[P, T]:
   """Runs ``fun`` with per-operation mixed precision, as ``torch.autocast`` does.
 
@@ -107,6 +111,16 @@ def autocast(
   other leaves (Python numbers, functions, strings; an Equinox module's
   activation function) are static, as in ``eqx.filter_jit``.
 
+  FP8: with ``fp8=True`` (the default :class:`Float8Recipe`) or a recipe,
+  every ``dot_general`` of the half list runs on float8 operands with
+  per-tensor current scaling (see the FP8 guide): both operands in
+  ``recipe.forward`` (``float8_e4m3fn``), each with the scale of its own
+  ``max|x|``, and in the backward pass the cotangent in ``recipe.backward``
+  (``float8_e5m2``), so that both backward GEMMs are FP8 too. The product is
+  ``dtype``. Convolutions and every other operation follow the lists as
+  above. On GPUs with FP8 tensor cores XLA rewrites the quantise-dequantise
+  pattern into FP8 GEMMs; other backends emulate it (slower than ``dtype``).
+
   Cost: each call traces ``fun`` once (under ``jax.jit``, once per
   compilation) and evaluates its jaxpr once; loops and conds are traced once
   more to settle their dtypes. A nested ``jax.jit`` function is evaluated once
@@ -116,14 +130,19 @@ def autocast(
     fun: the function to run, e.g. a loss or ``model.apply``.
     dtype: the half dtype, ``jnp.float16`` or ``jnp.bfloat16``.
     lists: the op lists (default :class:`AutocastLists` ``()``).
+    fp8: ``None``/``False`` (off), ``True`` (the default
+      :class:`Float8Recipe`) or a :class:`Float8Recipe`: run the half-list
+      matmuls in FP8.
 
   Returns:
     The autocast function.
 
   Raises:
-    TypeError: if ``fun`` is not callable, ``dtype`` is not a dtype, or
-      ``lists`` is not an :class:`AutocastLists`.
-    ValueError: if ``dtype`` is not float16 or bfloat16.
+    TypeError: if ``fun`` is not callable, ``dtype`` is not a dtype,
+      ``lists`` is not an :class:`AutocastLists`, or ``fp8`` is not a bool,
+      ``None`` or a :class:`Float8Recipe`.
+    ValueError: if ``dtype`` is not float16 or bfloat16 (with ``fp8`` too:
+      the float8 operands are dequantised to ``dtype``).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -137,13 +156,16 @@ def autocast(
     >>> mean, logits = jmp.autocast(loss, jnp.float16)(w, x)
     >>> mean.dtype, logits.dtype, round(float(mean))
     (dtype('float32'), dtype('float16'), 162755)
+    >>> fp8_mean, fp8_logits = jmp.autocast(loss, jnp.float16, fp8=True)(w, x)
+    >>> fp8_logits.dtype, round(float(fp8_mean))
+    (dtype('float16'), 162755)
   """
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r}")
   lists = autocast_lists.AutocastLists() if lists is None else lists
   if not isinstance(lists, autocast_lists.AutocastLists):
     raise TypeError(f"lists must be a jmp_lite.AutocastLists, got {lists!r}")
-  cfg = interp._Config(_check_dtype(dtype), lists)
+  cfg = interp._Config(_check_dtype(dtype), lists, fp8_lib.as_recipe(fp8))
 
   @functools.wraps(fun)
   def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:

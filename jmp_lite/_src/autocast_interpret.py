@@ -93,12 +93,13 @@ def register_half_rule(name: str, rule: HalfRule) -> None:
   ``None`` for the ordinary bind. It is not called where the primitive runs
   in another list or as traced (float64 operands, ``lists`` moved it).
   Nested jits are interpreted once per config and cached: register rules at
-  import, before autocast runs. ``HALF_RULES.pop(name)`` unregisters.
+  import, before autocast runs. A name has one rule: registering replaces
+  the previous one (autocast registers its FP8 rule for ``dot_general``).
 
   Examples:
     >>> import jax.numpy as jnp
     >>> import jmp_lite as jmp
-    >>> seen = []
+    >>> seen, previous = [], HALF_RULES.get("dot_general")
     >>> def note(eqn, ins, cfg):
     ...   seen.append((eqn.primitive.name, str(ins[0].dtype)))
     ...   return None  # the ordinary bind
@@ -106,7 +107,7 @@ def register_half_rule(name: str, rule: HalfRule) -> None:
     >>> out = jmp.autocast(lambda a: a @ a, jnp.bfloat16)(jnp.ones((2, 2)))
     >>> seen, str(out.dtype)
     ([('dot_general', 'bfloat16')], 'bfloat16')
-    >>> _ = HALF_RULES.pop("dot_general")
+    >>> register_half_rule("dot_general", previous)  # autocast's FP8 rule back
   """
   HALF_RULES[name] = rule
 
@@ -263,7 +264,7 @@ def _eval_eqn(eqn: Any, ins: list[Any], cfg: _Config, casts: dict[Any, Any]) -> 
     ins[i] = _cast(ins[i], target, casts)
   half_rule = HALF_RULES.get(name) if rule == "half" else None
   outs = None if half_rule is None else half_rule(eqn, ins, cfg)
-  return jaxpr_utils.bind(eqn, ins, _retarget(eqn, target)) if outs is None else outs
+  return jaxpr_utils.bind(eqn, ins, retarget(eqn, target)) if outs is None else outs
 
 
 def _promote_target(eqn: Any, ins: list[Any], floats: list[int]) -> np.dtype:
@@ -298,7 +299,7 @@ def _fits(x: Any, dtype: np.dtype) -> bool:
   return bool(np.all(ok))
 
 
-def _retarget(eqn: Any, target: np.dtype) -> Any:
+def retarget(eqn: Any, target: np.dtype) -> Any:
   """``eqn``'s params with a floating ``preferred_element_type`` set to ``target``.
 
   A ``preferred_element_type`` that none of the traced operands has was asked

@@ -164,6 +164,7 @@ def precision_lint(
     *args: Any,
     policy: Union[policy_lib.Policy, str],
     autocast: bool = False,
+    model_state: Any = None,
 ) -> list[LintFinding]:
   """Lists the operations of ``fn(*args)`` that are risky under ``policy``.
 
@@ -234,6 +235,10 @@ def precision_lint(
       they are, as in the train step).
     policy: a :class:`Policy` or a policy string for :func:`get_policy`.
     autocast: lint ``fn`` under :func:`autocast` (default ``False``).
+    model_state: the state's model state (BatchNorm statistics), or ``None``.
+      Given, ``fn`` is called as ``fn(args[0], model_state, *args[1:])`` and
+      ``model_state`` is not cast, as the step calls
+      ``loss_fn(params, model_state, batch)``.
 
   Returns:
     The findings, in program order.
@@ -262,7 +267,7 @@ def precision_lint(
     ['dot_general']
   """
   policy = step_trace.as_policy(policy)
-  jaxpr = step_trace.trace(fn, args, policy, autocast)
+  jaxpr = step_trace.trace(fn, args, policy, autocast, model_state)
   roots = jaxpr_utils.library_roots()
   findings: list[LintFinding] = []
   _lint_jaxpr(jaxpr, _Context(roots, np.dtype(policy.compute_dtype), autocast), findings, None)

@@ -159,6 +159,7 @@ def precision_report(
     *args: Any,
     policy: Union[policy_lib.Policy, str, None] = None,
     autocast: bool = False,
+    model_state: Any = None,
 ) -> PrecisionReport:
   """Counts the operations of ``fn(*args)`` by class and by the dtype they ran in.
 
@@ -177,6 +178,10 @@ def precision_report(
       is computed) and static leaves (an Equinox module's functions, strings).
     policy: a :class:`Policy` or policy string, or ``None`` (trace as given).
     autocast: trace ``fn`` under :func:`autocast` with the policy's compute dtype.
+    model_state: the state's model state (BatchNorm statistics), or ``None``.
+      Given, ``fn`` is called as ``fn(args[0], model_state, *args[1:])`` and
+      ``model_state`` is not cast, as the step calls
+      ``loss_fn(params, model_state, batch)``.
 
   Returns:
     A :class:`PrecisionReport`; ``print`` it for a table.
@@ -201,7 +206,7 @@ def precision_report(
     kind        float16  float32  total
   """
   policy = None if policy is None else step_trace.as_policy(policy)
-  jaxpr = step_trace.trace(fn, args, policy, autocast)
+  jaxpr = step_trace.trace(fn, args, policy, autocast, model_state)
   counts: dict[str, dict[str, int]] = {}
   count_ops(jaxpr, counts)
   return PrecisionReport({k: counts[k] for k in KINDS if k in counts})

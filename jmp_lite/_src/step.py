@@ -17,6 +17,8 @@ from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import step_stages as stages
 from jmp_lite._src import transform
+from jmp_lite._src.fp8 import Float8Recipe
+from jmp_lite._src.fp8 import as_recipe
 from jmp_lite._src.step_call import TrainStep
 from jmp_lite._src.train_state import TrainState
 from jmp_lite._src.train_state import check_masters
@@ -34,6 +36,7 @@ def make_train_step(
     extra_args: Callable[[jax.Array, Any, Any], Mapping[str, Any]] | None = None,
     axis_name: str | None = None,
     autocast: bool = False,
+    fp8: bool | Float8Recipe | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
   """Builds ``step(state, batch) -> (state, metrics)``, compiled with ``jax.jit``.
 
@@ -134,14 +137,21 @@ def make_train_step(
       matmuls and convolutions in the compute dtype. Loss scaling, float32
       masters and the skip are unchanged. Needs a float16 or bfloat16
       compute dtype.
+    fp8: ``True`` or a :class:`Float8Recipe`: autocast's matmuls run in FP8
+      (``autocast(loss_fn, policy.compute_dtype, fp8=fp8)``), with per-tensor
+      current scaling; loss scaling, the masters and the skip are unchanged
+      (a non-finite value in a matmul stays non-finite, so the skip sees it).
+      Needs ``autocast=True``.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
     ``grads_finite`` (bool; False means the step was skipped), ``loss_scale``
     (the scale used this step), ``grad_norm`` (global norm of the unscaled
     gradients, float32 or float64 with float64 masters; inf or NaN on a
-    skipped step), ``aux`` when ``has_aux`` and ``nonfinite`` when
-    ``track_nonfinite``.
+    skipped step), ``consecutive_skips`` (int32, the current run of
+    skipped steps; 0 after an applied step) when ``tx`` scales the loss,
+    ``aux`` when ``has_aux`` and ``nonfinite`` when ``track_nonfinite``.
+    Every metric is a device array: reading one is the only host sync.
 
   Raises:
     TypeError: if ``loss_fn`` is not callable, ``policy`` is not a
@@ -152,7 +162,7 @@ def make_train_step(
       state), ``has_aux`` is set and ``loss_fn`` does not return a pair, or the params' dtypes are not the state's
       ``master_dtype`` (a hand-built state).
     ValueError: if ``autocast`` is set and ``policy.compute_dtype`` is not
-      float16 or bfloat16; when the step is called with params or a batch
+      float16 or bfloat16, or ``fp8`` is set without ``autocast``; when the step is called with params or a batch
       whose tree structure differs from the first call's, with a static batch
       leaf whose value differs from the first call's, with a deleted
       (already donated) or aliased array, with a nested loss-scaling
@@ -182,8 +192,11 @@ def make_train_step(
   cast_batch = checks.boolean("cast_batch", cast_batch)
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
+  recipe = as_recipe(fp8)
   if checks.boolean("autocast", autocast):
-    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype)
+    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype, fp8=recipe)
+  elif recipe is not None:
+    raise ValueError(f"fp8={fp8!r} needs autocast=True: the FP8 matmuls are autocast's")
   if extra_args is not None and not callable(extra_args):
     raise TypeError(f"extra_args must be a callable (loss, aux, batch) -> dict, got {extra_args!r}")
   batch_policy = policy_lib.Policy(
@@ -204,6 +217,7 @@ def make_train_step(
     guard, opt_state = stages.guarded_update(config, state, inputs, grads)
     new_state = stages.write_back(state, guard, opt_state).replace(
         model_state=stages.next_model_state(state, grads.model_state, guard.finite))
-    return new_state, stages.step_metrics(config, scale, inputs, grads, guard)
+    metrics = stages.step_metrics(config, scale, inputs, grads, guard)
+    return new_state, {**metrics, **stages.skip_metrics(opt_state)}
 
   return TrainStep(step, donate)

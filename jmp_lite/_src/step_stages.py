@@ -96,7 +96,7 @@ class Inputs(NamedTuple):
       at the others: what the optimizer updates.
     params: the float32 view of the masters cast by the policy (keep rules
       apply): what ``loss_fn`` sees.
-    model_state: the model state cast by the policy, or ``None``.
+    model_state: the state's model state as stored (never cast), or ``None``.
     batch: the batch, cast by the batch policy unless ``cast_batch=False``.
   """
 
@@ -140,21 +140,20 @@ def cast_inputs(config: StepConfig, state: TrainState, batch: Any) -> Inputs:
   if config.batch_policy is not None:
     batch = config.batch_policy.cast_to_compute(batch)
   view = masters.float32_view(state.params)  # float32 masters: as they are
-  model_state = state.model_state
-  if model_state is not None:
-    model_state = config.policy.cast_to_compute(model_state)
-  return Inputs(trained_part(view), config.policy.cast_to_compute(view), model_state, batch)
+  # Model state (BatchNorm running statistics, counters) is state, not compute:
+  # it stays in its stored dtype, as torch keeps buffers in float32 under autocast,
+  # so that an update below half a float16 ulp is not lost.
+  return Inputs(trained_part(view), config.policy.cast_to_compute(view), state.model_state, batch)
 
 
 def warn_unmatched_keep_rules(config: StepConfig, state: TrainState, batch: Any) -> None:
   """Warns, at trace time (once per compile), for keep rules that select no leaf.
 
-  The policy's rules apply to the params and the model state, the batch
-  rules (``batch_keep_full``) to the batch when it is cast.
+  The policy's rules apply to the params (the model state is never cast),
+  the batch rules (``batch_keep_full``) to the batch when it is cast.
   """
-  policy_lib.warn_unmatched_keep_rules(
-      config.policy.keep_full, {"params": state.params, "model_state": state.model_state},
-      "the policy")
+  policy_lib.warn_unmatched_keep_rules(config.policy.keep_full, {"params": state.params},
+                                       "the policy")
   if config.batch_policy is not None:
     policy_lib.warn_unmatched_keep_rules(
         config.batch_policy.keep_full, {"batch": batch}, "batch_keep_full")
@@ -271,6 +270,16 @@ def step_metrics(
         is_leaf=lambda x: x is None,
     )
   return metrics
+
+
+def skip_metrics(opt_state: Any) -> dict[str, Any]:
+  """``consecutive_skips``: the current run of skipped steps, with a loss-scaling ``tx``.
+
+  A device array read from the new optimizer state (no host synchronisation);
+  without a loss-scaling state there is nothing to count and it is absent.
+  """
+  scaler = transform.find_loss_scale_state(opt_state)
+  return {} if scaler is None else {"consecutive_skips": scaler.consecutive_skips}
 
 
 def _call_loss_fn(

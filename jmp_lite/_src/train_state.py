@@ -46,6 +46,22 @@ def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
   return x
 
 
+def _own_tree(tree: Any, master_dtype: np.dtype) -> Any:
+  """The state's own copy of ``tree``; fields of Equinox modules that are not arrays stay static.
+
+  Outside Equinox modules a Python number becomes an array (and is trained if
+  it is a float), as ``jax.jit`` would treat it; inside one, a Python number,
+  bool, string or function is the module's static configuration, as under
+  ``eqx.filter_jit`` (see ``filtering.py``).
+  """
+
+  def own(x: Any) -> Any:
+    return _own_leaf(x, master_dtype)
+
+  return filtering.map_outside_modules(
+      own, tree, in_module=lambda x: own(x) if filtering.is_traced(x) else x)
+
+
 def _own_key(key: jax.Array) -> jax.Array:
   return jax.random.wrap_key_data(jnp.array(jax.random.key_data(key), copy=True),
                                   impl=jax.random.key_impl(key))
@@ -250,7 +266,7 @@ class TrainState:
       )
     if rounding != "stochastic" and key is not None:
       raise ValueError(f"key is only used with rounding='stochastic', got rounding={rounding!r}")
-    params = jax.tree.map(lambda x: _own_leaf(x, master_dtype), params)
+    params = _own_tree(params, master_dtype)
     compensation = masters.zero_compensation(params) if rounding == "kahan" else None
     rounding_key = None
     if key is not None:
@@ -264,7 +280,7 @@ class TrainState:
         tx=tx,
         compensation=compensation,
         rounding_key=rounding_key,
-        model_state=jax.tree.map(lambda x: _own_leaf(x, masters.FLOAT32), model_state),
+        model_state=_own_tree(model_state, masters.FLOAT32),
         master_dtype=master_dtype,
         rounding=rounding,
     )
