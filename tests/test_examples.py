@@ -41,6 +41,15 @@ def _run_smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProces
   )
 
 
+def _smoke_rows(script: str, name: str, out: Path) -> tuple[dict, dict]:
+  """Runs ``script --smoke --no-progress``: its JSON payload and its results by mode."""
+  proc = _run_smoke(script, out, "--no-progress")
+  assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+  payload = json.loads((out / f"{name}.json").read_text())
+  assert payload["config"]["smoke"] is True
+  return payload, {r["mode"]: r for r in payload["results"]}
+
+
 def _import_example(monkeypatch, name: str):
   """The example script ``name`` as a fresh module (with a fresh ``_common``)."""
   monkeypatch.syspath_prepend(str(EXAMPLES))
@@ -161,12 +170,9 @@ def test_digits_cli_rejects_bad_sizes(train_digits, argv, capsys):
 
 @pytest.mark.slow
 def test_weight_updates_smoke_shows_the_stall(tmp_path):
-  proc = _run_smoke("weight_updates.py", tmp_path, "--no-progress")
-  assert proc.returncode == 0, f"weight_updates.py failed:\n{proc.stdout}\n{proc.stderr}"
-  payload = json.loads((tmp_path / "weight_updates.json").read_text())
-  rows = {r["mode"]: r for r in payload["results"]}
+  payload, rows = _smoke_rows("weight_updates.py", "weight_updates", tmp_path)
   assert list(rows) == ["fp32", "bf16-nearest", "bf16-stochastic", "bf16-kahan"]
-  assert payload["config"]["smoke"] is True and payload["lr_over_half_ulp"]["fraction_below_1"] > 0.9
+  assert payload["lr_over_half_ulp"]["fraction_below_1"] > 0.9
   # Even 30 steps show it: nearest-rounded bf16 masters keep nearly every weight.
   assert rows["bf16-nearest"]["moved"] < 10.0 < rows["bf16-kahan"]["moved"]
   assert rows["fp32"]["moved"] == 100.0
@@ -281,6 +287,20 @@ def test_train_digits_by_default_says_what_it_does_then_writes_only_to_out(tmp_p
   first_bar = proc.stdout.index("%|")
   table = proc.stdout.index("| mode | policy ")
   assert header < where < first_bar < table, proc.stdout
+
+
+@pytest.mark.slow
+def test_nnx_cnn_smoke_trains_four_ways_and_reports_what_ran_in_half(tmp_path):
+  payload, results = _smoke_rows("nnx_cnn.py", "nnx_cnn", tmp_path)
+  assert list(results) == ["fp32", "f16", "f16_autocast", "bf16"]
+  assert payload["steps_per_mode"] == 6
+  assert results["f16"]["final_scale"] >= 2.0**14 and results["fp32"]["final_scale"] == 1.0
+  matmuls = {m: r["report"].splitlines()[1].split() for m, r in results.items()}
+  # NNX BatchNorm promotes to its float32 statistics: the Linear layers after it run in
+  # float32 under the plain half policy, and in float16 under autocast.
+  assert matmuls["f16"] == ["matmul", "0", "2", "2"]
+  assert matmuls["f16_autocast"] == ["matmul", "2", "0", "2"]
+  assert "| f16_autocast |" in (tmp_path / "nnx_cnn.md").read_text()
 
 
 def test_progress_bars_show_the_current_run_of_skipped_steps(monkeypatch):
