@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmp_lite as jmp
+import zoo_models
 from conftest import assert_bitwise_equal
 from conftest import regression_loss
 from conftest import regression_params
@@ -255,3 +256,46 @@ def test_restore_static_checkpoint_under_dynamic_scaling(tmp_path):
 def test_restore_into_a_different_optimizer_is_a_clear_error(checkpoint, make):
   with pytest.raises(ValueError, match=r"tree structures do not match"):
     restore_under(checkpoint, make())
+
+
+@pytest.mark.parametrize("template", ["create", "eval_shape"])
+def test_equinox_module_and_state_resume_bit_for_bit(tmp_path, template):
+  """Stock Equinox layers' static fields (MaxPool's -inf and its function, Dropout's p and
+  flag) stay out of the checkpoint; eqx.nn.State (BatchNorm statistics) is in it."""
+  zoo = zoo_models.equinox("vision")
+  policy = jmp.get_policy("mixed_float16")
+  build = lambda: jmp.TrainState.create(params=zoo.params, tx=make_tx(),
+                                        model_state=zoo.model_state)
+  state = build()
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+  assert state.params.pool.operation is zoo.params.pool.operation  # static, kept as is
+  step = jmp.make_train_step(zoo.loss_fn, policy, donate=False)
+  save_at = int(np.random.default_rng().integers(1, 8))
+  for t in range(10):
+    if t == save_at:
+      save(tmp_path / "ckpt", state)
+    state, _ = step(state, zoo.batch(t))
+  uninterrupted = state
+
+  target = build() if template == "create" else jax.eval_shape(build)
+  resumed = restore(tmp_path / "ckpt", target)
+  assert int(resumed.step) == save_at and resumed.params.dropout.p == 0.1
+  step = jmp.make_train_step(zoo.loss_fn, policy)  # donating, like a real run
+  for t in range(save_at, 10):
+    resumed, _ = step(resumed, zoo.batch(t))
+  print(f"saved and resumed at step {save_at}")
+  assert_bit_equal(resumed, uninterrupted)
+  assert_bitwise_equal(resumed.model_state, uninterrupted.model_state)
+
+
+def test_tree_maps_over_a_state_with_static_fields_round_trip():
+  """What a tree map puts in the array places (orbax args, shardings, bools) stays there."""
+  zoo = zoo_models.equinox("vision")
+  state = jmp.TrainState.create(params=zoo.params, tx=optax.adam(1e-3),
+                                model_state=zoo.model_state)
+  n = len(jax.tree.leaves(state))
+  marks = jax.tree.map(lambda x: True, state)
+  assert jax.tree.leaves(marks) == [True] * n
+  assert marks.params.dropout.p == 0.1 and marks.params.conv.weight is True
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  assert ".params.conv.weight" in paths and not any("pool" in p for p in paths)

@@ -10,7 +10,9 @@ or given optimizer state, and part of the compilation key (compared by value
 when hashable, by identity otherwise).
 
 The train step, :func:`autocast` and :func:`precision_lint` all partition
-their arguments with :func:`partition`. :meth:`TrainState.create` normalises
+their arguments with :func:`partition`; :class:`TrainState` keeps the static
+leaves of its params, optimizer state and model state in its aux data
+(:func:`hollow`), so its leaves are arrays only (orbax, ``jax.eval_shape``). :meth:`TrainState.create` normalises
 state before that: outside an Equinox module a Python number becomes a
 strongly typed array (a plain ``{"w": ..., "b": 0.5}`` trains ``b``, as
 ``jax.jit`` and optax would treat it); a field of an Equinox module
@@ -103,3 +105,46 @@ def combine(traced: list[Any], spec: Spec) -> Any:
 def has_static(tree: Any) -> bool:
   """Whether any leaf of ``tree`` is static."""
   return not all(is_traced(x) for x in jax.tree.leaves(tree))
+
+
+def _is_hole(x: Any) -> bool:
+  """``None`` or an empty node: a place that a tree map may fill (orbax does)."""
+  return x is None or not jax.tree.leaves(x)
+
+
+def hollow(tree: Any) -> tuple[Any, Spec | None]:
+  """``(tree with its static leaves replaced by None, the spec to put them back)``.
+
+  A tree with no static leaf comes back as it is, with spec ``None``. Unlike
+  :func:`partition`, the hollow tree keeps its structure (and key paths), so
+  a container can hold it as its pytree children and the spec as aux data:
+  that is how :class:`TrainState` keeps an Equinox module's static fields out
+  of ``jax.tree.leaves``, orbax checkpoints and ``jax.eval_shape``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> holes, spec = hollow({"w": jnp.ones(2), "act": "relu", "b": None})
+    >>> holes["act"] is None, fill(holes, spec)["act"]
+    (True, 'relu')
+  """
+  if not has_static(tree):
+    return tree, None
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_hole)
+  keep = [_is_hole(x) or is_traced(x) for x in leaves]
+  static = tuple(None if k else Static(x) for x, k in zip(leaves, keep))
+  holes = jax.tree.unflatten(treedef, [x if k else None for x, k in zip(leaves, keep)])
+  return holes, (treedef, static)
+
+
+def fill(holes: Any, spec: Spec | None) -> Any:
+  """The tree :func:`hollow` split, whatever now stands in its traced places.
+
+  ``None`` and empty nodes (Equinox's ``BatchNorm`` holds one) are places a
+  tree map may have filled (orbax puts its ``SaveArgs`` there): whatever
+  stands there is kept.
+  """
+  if spec is None:
+    return holes
+  treedef, static = spec
+  leaves = treedef.flatten_up_to(holes)
+  return jax.tree.unflatten(treedef, [x if s is None else s.value for x, s in zip(leaves, static)])

@@ -285,12 +285,56 @@ class TrainState:
         rounding=rounding,
     )
 
+  def __post_init__(self) -> None:
+    # The static leaves (an Equinox module's functions, strings and Python
+    # numbers) go to the aux data, once, here: see _flatten_with_keys.
+    object.__setattr__(self, "_hollow", {f: filtering.hollow(getattr(self, f)) for f in _HOLLOWED})
+
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
     return dataclasses.replace(self, **changes)
 
 
-jax.tree_util.register_dataclass(TrainState)
+_CHILDREN = ("step", "params", "opt_state", "compensation", "rounding_key", "model_state")
+_HOLLOWED = ("params", "opt_state", "model_state")
+_META = ("tx", "master_dtype", "rounding")
+
+
+def _flatten(state: TrainState) -> tuple[list[Any], Any]:
+  """Children: the array fields, with static leaves as ``None`` holes; aux: the rest.
+
+  The static leaves are split off when the state is built, never when it is
+  flattened, so a tree map that puts other objects in the traced places (an
+  orbax ``SaveArgs``, a sharding, a bool) round-trips unchanged, while
+  ``jax.tree.leaves(state)``, checkpoints and ``jax.eval_shape`` see arrays
+  only. A static leaf that changes is a new tree structure, so ``jax.jit``
+  retraces, as ``eqx.filter_jit`` does.
+  """
+  hollow = state._hollow  # type: ignore[attr-defined]
+  children = [hollow[f][0] if f in hollow else getattr(state, f) for f in _CHILDREN]
+  specs = tuple(hollow[f][1] for f in _HOLLOWED)
+  return children, (specs, tuple(getattr(state, f) for f in _META))
+
+
+def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
+  children, aux = _flatten(state)
+  return [(jax.tree_util.GetAttrKey(f), c) for f, c in zip(_CHILDREN, children)], aux
+
+
+def _unflatten(aux: Any, children: Any) -> TrainState:
+  specs, meta = aux
+  state = object.__new__(TrainState)
+  values = dict(zip(_CHILDREN, children))
+  hollow = {f: (values[f], spec) for f, spec in zip(_HOLLOWED, specs)}
+  for f, spec in zip(_HOLLOWED, specs):
+    values[f] = filtering.fill(values[f], spec)
+  for f, value in list(values.items()) + list(zip(_META, meta)):
+    object.__setattr__(state, f, value)
+  object.__setattr__(state, "_hollow", hollow)
+  return state
+
+
+jax.tree_util.register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)
 
 
 def trained_part(params: optax.Params) -> optax.Params:
