@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 
+from benchmarks import bars as bars_lib
 from benchmarks import models
 from benchmarks import variants as variants_lib
 
@@ -36,34 +37,7 @@ BF16_PEAK_TFLOPS = (
 )
 
 # Steps dispatched back to back, without waiting, by :func:`dispatch_fraction`.
-DISPATCH_STEPS = 100
-
-# (ratio key, limit, models it applies to or None for all, description)
-CPU_BARS = (
-    ("overhead", 1.03, None, "f16_dynamic / f16_noscale (dynamic-scaling overhead)"),
-    ("vs_jmp", 1.00, None, "f16_dynamic / jmp_dynamic (jmp_lite vs hand-written jmp)"),
-    ("vs_flax", 1.00, None, "f16_dynamic / flax_dynamic (jmp_lite vs Flax DynamicScale)"),
-    # Issue 13: the skip may not hold an extra copy of the gradients.
-    (
-        "temp_overhead",
-        1.05,
-        ("mlp", "deep_transformer"),
-        "f16_dynamic / f16_noscale compiled temp memory",
-    ),
-)
-GPU_BARS = (
-    # Issue 13: on a GPU the skip costs at most 2%, and never a host sync per step.
-    ("overhead", 1.02, None, "f16_dynamic / f16_noscale (dynamic-scaling overhead, GPU)"),
-    (
-        "dispatch_fraction",
-        0.5,
-        None,
-        f"f16_dynamic: time to dispatch {DISPATCH_STEPS} steps / time to run them",
-    ),
-    ("bf16_vs_fp32_highest", 1 / 3, ("transformer", "lstm"), "bf16 / fp32 highest (step time)"),
-    ("bf16_vs_fp32", 1 / 1.5, ("transformer", "lstm"), "bf16 / fp32 default (step time)"),
-    ("bf16_temp_vs_fp32", 0.6, ("cnn", "transformer", "lstm"), "bf16 / fp32 temp memory"),
-)
+DISPATCH_STEPS = bars_lib.DISPATCH_STEPS
 
 # Time ratios of one variant to another (not to fp32) that the report prints,
 # with their CPU-time ratios.
@@ -370,62 +344,12 @@ def ratios(records: dict[str, dict[str, Any]], times: dict[str, list[float]]) ->
   time_ratio("vs_jmp", "f16_dynamic", "jmp_dynamic")
   time_ratio("vs_flax", "f16_dynamic", "flax_dynamic")
   time_ratio("autocast_vs_dynamic", "f16_autocast", "f16_dynamic")
-  time_ratio("fp8_vs_bf16_autocast", "bf16_fp8", "bf16_autocast")  # No bar: emulated on CPU.
+  time_ratio("fp8_vs_bf16_autocast", "bf16_fp8", "bf16_autocast")  # A GPU bar only.
   time_ratio("bf16_vs_fp32_highest", "bf16", "fp32_highest")
   dispatch = records.get("f16_dynamic", {}).get("dispatch")
   if dispatch is not None:
     out["dispatch_fraction"] = dispatch["fraction"]
   return out
-
-
-def bar(name: str, what: str, value: float, limit: float, meaningful: bool, **extra: Any):
-  """One checked bar: ``value <= limit``.
-
-  Args:
-    name: the bar's key.
-    what: what it compares, for people.
-    value: the measured ratio (or seconds).
-    limit: the largest value that passes.
-    meaningful: False for smoke-sized runs, whose timings are noise.
-    **extra: more fields (the model, the scope...).
-
-  Returns:
-    A dict with ``bar``, ``what``, ``value``, ``limit``, ``passed``,
-    ``meaningful`` and ``extra``.
-
-  Examples:
-    >>> b = bar("overhead", "a / b", 1.01, 1.03, True)
-    >>> b["passed"], b["meaningful"]
-    (True, True)
-  """
-  return dict(
-      extra,
-      bar=name,
-      what=what,
-      value=value,
-      limit=limit,
-      passed=bool(value <= limit),
-      meaningful=meaningful,
-  )
-
-
-def check_bars(
-    model: str, model_ratios: dict[str, Any], on_gpu: bool, meaningful: bool = True
-) -> list[dict[str, Any]]:
-  """The :data:`CPU_BARS` (and on a GPU the :data:`GPU_BARS`) that apply to ``model``.
-
-  Bars whose ratio was not measured are left out.
-  """
-  bars = []
-  for key, limit, only, what in CPU_BARS + (GPU_BARS if on_gpu else ()):
-    if only is not None and model not in only:
-      continue
-    value = model_ratios.get(key)
-    if value is None:
-      continue
-    scope = "gpu" if (key, limit, only, what) in GPU_BARS else "cpu"
-    bars.append(bar(key, what, value, limit, meaningful, model=model, scope=scope))
-  return bars
 
 
 def bench_model(
@@ -492,7 +416,7 @@ def bench_model(
       repeats=repeats,
       variants=records,
       ratios=model_ratios,
-      bars=check_bars(problem.name, model_ratios, on_gpu, meaningful),
+      bars=bars_lib.check_bars(problem.name, model_ratios, on_gpu, meaningful),
   )
 
 

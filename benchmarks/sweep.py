@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 
+from benchmarks import bars as bars_lib
 from benchmarks import cli
 from benchmarks import measure
 from benchmarks import models
@@ -220,7 +221,7 @@ def check_bars(cases: list[dict[str, Any]], meaningful: bool) -> list[dict[str, 
       else:
         continue
       case = f"{c['size']} x {c['leaves']}"
-      bars.append(measure.bar(key, what, value, limit, meaningful, case=case))
+      bars.append(bars_lib.bar(key, what, value, limit, meaningful, case=case))
   return bars
 
 

@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 from benchmarks import autocast
+from benchmarks import bars as bars_lib
 from benchmarks import cpu_profile
+from benchmarks import fp8_gemms
 from benchmarks import kahan_limits
 from benchmarks import masters
 from benchmarks import measure
@@ -317,12 +319,36 @@ def test_fp8_variant_runs_only_when_named_and_is_compared_to_bf16_autocast():
   assert not any("fp8" in b["bar"] for b in result["bars"])  # emulated on CPU: no bar
 
 
+def test_fp8_speedup_is_a_gpu_bar_on_the_transformers_only():
+  ratios = {"fp8_vs_bf16_autocast": 0.8}
+  assert bars_lib.check_bars("transformer", ratios, on_gpu=False) == []
+  assert bars_lib.check_bars("mlp", ratios, on_gpu=True) == []
+  (b,) = bars_lib.check_bars("transformer", ratios, on_gpu=True)
+  assert (b["bar"], b["scope"], b["passed"]) == ("fp8_vs_bf16_autocast", "gpu", False)
+  assert b["limit"] == pytest.approx(1 / 1.3)
+  (b,) = bars_lib.check_bars("deep_transformer", {"fp8_vs_bf16_autocast": 0.75}, on_gpu=True)
+  assert b["passed"]
+
+
+def test_fp8_gemms_counts_the_same_matmuls_in_both_steps(tmp_path, capsys):
+  assert fp8_gemms.main(["--smoke", "--out", str(tmp_path)]) == 0
+  (path,) = tmp_path.glob("fp8-gemms-*.json")
+  rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+  assert set(rows) == {"bf16_autocast", "bf16_fp8"}
+  # The smoke Transformer's matmuls (QKV, scores, values, output, MLP, head) forward and backward.
+  assert rows["bf16_fp8"]["all"] == rows["bf16_autocast"]["all"] >= 3 * 6
+  for r in rows.values():  # XLA:CPU has no cuBLAS: every matmul stays an HLO dot.
+    assert (r["fp8_gemm"], r["other_cublas"], r["fp8_fraction"]) == (0, 0, 0.0)
+    assert r["hlo_dot"] == r["all"]
+  assert "| bf16_fp8 |" in capsys.readouterr().out
+
+
 def test_gpu_bars_add_the_skip_overhead_and_the_host_sync_check():
   ratios = {"overhead": 1.025, "dispatch_fraction": 0.97, "vs_flax": 0.9}
-  cpu = {(b["bar"], b["limit"]) for b in measure.check_bars("mlp", ratios, on_gpu=False)}
+  cpu = {(b["bar"], b["limit"]) for b in bars_lib.check_bars("mlp", ratios, on_gpu=False)}
   assert cpu == {("overhead", 1.03), ("vs_flax", 1.0)}
   gpu = {(b["bar"], b["limit"], b["scope"], b["passed"])
-         for b in measure.check_bars("mlp", ratios, on_gpu=True)}
+         for b in bars_lib.check_bars("mlp", ratios, on_gpu=True)}
   assert gpu == {("overhead", 1.03, "cpu", True), ("vs_flax", 1.0, "cpu", True),
                  ("overhead", 1.02, "gpu", False), ("dispatch_fraction", 0.5, "gpu", False)}
 
