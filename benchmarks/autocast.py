@@ -234,11 +234,11 @@ def trace_times(args: argparse.Namespace, batch: dict[str, np.ndarray]) -> list[
 def check_bars(step: dict[str, Any], traces: list[dict[str, Any]], meaningful: bool) -> list:
   """The step bar (autocast / hand <= 1.05) and one trace bar per model under grad (<= 2)."""
   bars = [bars_lib.bar("step", "compiled step: autocast / casts placed by hand",
-                      step["ratio"]["median"], STEP_LIMIT, meaningful, model="functional")]
+                       step["ratio"]["median"], STEP_LIMIT, meaningful, model="functional")]
   for r in traces:
     if r["trace"] == "grad":
       bars.append(bars_lib.bar("trace_grad", "make_jaxpr under jax.grad: autocast / plain",
-                              r["ratio"]["median"], TRACE_LIMIT, meaningful, model=r["model"]))
+                               r["ratio"]["median"], TRACE_LIMIT, meaningful, model=r["model"]))
   return bars
 
 

@@ -60,7 +60,7 @@ def count_gemms(hlo_text: str) -> dict[str, int]:
   )
 
 
-def inspect(name: str, problem: models.Problem) -> dict[str, Any]:
+def count_step(name: str, problem: models.Problem) -> dict[str, Any]:
   """Lowers and compiles variant ``name`` on ``problem`` and counts its matmuls."""
   variant = variants_lib.make_variant(name, problem)
   lowered = variant.fn.lower(variant.init(), problem.batch)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
       meta=report.meta(cli.command(PROG, argv), device, args=cli.args_record(args)),
       model=args.model,
       config=problem.config,
-      rows=[inspect(name, problem) for name in VARIANTS],
+      rows=[count_step(name, problem) for name in VARIANTS],
   )
   stem = report.output_dir(args.out, args.smoke) / (
       f"fp8-gemms-{report.machine_name(device)}-{result['meta']['date']}"

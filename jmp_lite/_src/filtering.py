@@ -12,12 +12,12 @@ when hashable, by identity otherwise).
 The train step, :func:`autocast` and :func:`precision_lint` all partition
 their arguments with :func:`partition`; :class:`TrainState` keeps the static
 leaves of its params, optimizer state and model state in its aux data
-(:func:`hollow`), so its leaves are arrays only (orbax, ``jax.eval_shape``). :meth:`TrainState.create` normalises
-state before that: outside an Equinox module a Python number becomes a
-strongly typed array (a plain ``{"w": ..., "b": 0.5}`` trains ``b``, as
-``jax.jit`` and optax would treat it); a field of an Equinox module
-(``eqx.nn.MaxPool2d``'s ``-inf``, ``eqx.nn.Dropout``'s ``p`` and
-``inference``) stays a static field, as it is under ``eqx.filter_jit``.
+(:func:`hollow`), so its leaves are arrays only (orbax, ``jax.eval_shape``).
+:meth:`TrainState.create` normalises state before that: outside an Equinox
+module a Python number becomes a strongly typed array (a plain ``{"w": ...,
+"b": 0.5}`` trains ``b``, as ``jax.jit`` and optax would treat it); a field of
+an Equinox module (``eqx.nn.MaxPool2d``'s ``-inf``, ``eqx.nn.Dropout``'s ``p``
+and ``inference``) stays a static field, as it is under ``eqx.filter_jit``.
 """
 
 from __future__ import annotations
@@ -145,6 +145,4 @@ def fill(holes: Any, spec: Spec | None) -> Any:
   """
   if spec is None:
     return holes
-  treedef, static = spec
-  leaves = treedef.flatten_up_to(holes)
-  return jax.tree.unflatten(treedef, [x if s is None else s.value for x, s in zip(leaves, static)])
+  return combine(spec[0].flatten_up_to(holes), spec)

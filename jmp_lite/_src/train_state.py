@@ -295,9 +295,10 @@ class TrainState:
     return dataclasses.replace(self, **changes)
 
 
-_CHILDREN = ("step", "params", "opt_state", "compensation", "rounding_key", "model_state")
+# The pytree children and aux fields, by the fields' ``static`` metadata.
+_CHILDREN = tuple(f.name for f in dataclasses.fields(TrainState) if not f.metadata.get("static"))
+_META = tuple(f.name for f in dataclasses.fields(TrainState) if f.metadata.get("static"))
 _HOLLOWED = ("params", "opt_state", "model_state")
-_META = ("tx", "master_dtype", "rounding")
 
 
 def _flatten(state: TrainState) -> tuple[list[Any], Any]:
