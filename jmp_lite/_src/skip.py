@@ -13,7 +13,7 @@ loss, passed as optax's extra arg) skips too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, cast
+from typing import Any, Callable, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,8 @@ import numpy as np
 import optax
 
 from jmp_lite._src import tree_utils
+
+T = TypeVar("T")
 
 UpdateFn = Callable[[optax.Updates, optax.OptState, "optax.Params | None"],
                     tuple[optax.Updates, optax.OptState]]
@@ -202,6 +204,61 @@ def _skip_updates(shapes: Any) -> Any:
   return jax.tree.map(zeros, shapes)
 
 
+def _select(finite: jax.Array, applied: Any, skipped: Any) -> Any:
+  """``applied`` where ``finite``, else ``skipped``, leaf by leaf (an element-wise select)."""
+  return jax.tree.map(lambda a, s: jax.lax.select(jnp.broadcast_to(finite, jnp.shape(a)), a, s),
+                      applied, skipped)
+
+
+def either(finite: jax.Array, applied: Callable[[Any], T], skipped: Callable[[Any], T],
+           operand: Any) -> T:
+  """``applied(operand)`` if ``finite`` else ``skipped(operand)``, the same bits on any backend.
+
+  The two programs differ by backend, because XLA's compilers differ in what
+  they can update in place (read from the buffer assignment of the benchmark
+  MLP, ``benchmarks.gpu_compile``):
+
+  - **CPU**: ``lax.cond``. XLA:CPU writes the conditional's outputs over its
+    donated operands, and a skipped step does not run the update at all. An
+    element-wise select costs about 2x the no-scaling step's temp memory
+    there, because XLA:CPU materialises both sides.
+  - **GPU and others**: both sides, then one element-wise select per leaf.
+    XLA:GPU gives a conditional's outputs buffers of their own and copies
+    every passed-through operand into them (params and optimizer state, about
+    3x the params' bytes of temp memory for Adam), whereas the select fuses
+    into the update's own kernel, in place, with no host round trip for the
+    predicate. The update's results are discarded on a skipped step.
+
+  The choice is made when the step is lowered (``lax.platform_dependent``),
+  so the compiled program holds one form only.
+
+  Args:
+    finite: a scalar bool.
+    applied: what runs on a finite step.
+    skipped: what a skipped step returns; the same tree of shapes and dtypes.
+    operand: the argument of both.
+
+  Returns:
+    The output of ``applied`` or of ``skipped``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> p = jnp.array([1.0, -0.0])
+    >>> either(jnp.array(False), lambda x: x + 1, lambda x: x, p).tolist()
+    [1.0, -0.0]
+    >>> _select(jnp.array(True), p + 1, p).tolist()
+    [2.0, 1.0]
+  """
+
+  def on_cpu(finite: jax.Array, operand: Any) -> T:
+    return jax.lax.cond(finite, applied, skipped, operand)
+
+  def elsewhere(finite: jax.Array, operand: Any) -> T:
+    return cast(T, _select(finite, applied(operand), skipped(operand)))
+
+  return cast(T, jax.lax.platform_dependent(finite, operand, cpu=on_cpu, default=elsewhere))
+
+
 def guarded_update(
     update_fn: UpdateFn,
     grads: optax.Updates,
@@ -214,8 +271,9 @@ def guarded_update(
 ) -> Guarded:
   """``update_fn(unscale(grads), state, params)``, or a skip.
 
-  The update runs under ``lax.cond`` on ``finite``: when it is False the
-  update does not run and ``state`` is returned as it was. With
+  The update runs under :func:`either` on ``finite``: when it is False the
+  update's results are not used and ``state`` is returned as it was, bit for
+  bit. With
   ``apply=False`` the updates are ``-0.0`` on a skipped step, so
   ``optax.apply_updates`` leaves the params unchanged bit for bit. With
   ``apply=True`` the updates are applied inside the applied branch (XLA fuses
@@ -235,7 +293,7 @@ def guarded_update(
     A :class:`Guarded`.
   """
   # The unscale is fused into each consumer (the reduction, the update), so
-  # the unscaled gradients are never materialised: the cond's operand is the
+  # the unscaled gradients are never materialised: the guard's operand is the
   # backward pass's own output.
   sumsq = unscaled_sumsq(grads, inv_scale, params)
   finite = jnp.isfinite(sumsq) & is_finite_value(value)
@@ -254,7 +312,7 @@ def guarded_update(
       updates, s = update(operand)
       return optax.apply_updates(operand[2], updates), s
 
-    new_params, state = jax.lax.cond(
+    new_params, state = either(
         finite, apply_branch, lambda operand: (operand[2], operand[1]), (grads, state, params)
     )
     return Guarded(None, new_params, state, sumsq, finite)
@@ -264,5 +322,5 @@ def guarded_update(
 
   operand = (grads, state, params)
   update_shapes, _ = jax.eval_shape(update, operand)
-  updates, state = jax.lax.cond(finite, update, skip_branch, operand)
+  updates, state = either(finite, update, skip_branch, operand)
   return Guarded(updates, None, state, sumsq, finite)

@@ -252,7 +252,7 @@ def next_model_state(state: TrainState, new: Any, finite: jax.Array) -> Any:
     return None
   new = _stored_like(new, state.model_state)
   new = _other_leaves_stored_like(new, state.model_state)
-  return jax.lax.cond(finite, lambda: new, lambda: state.model_state)
+  return skip.either(finite, lambda old: new, lambda old: old, state.model_state)
 
 
 def step_metrics(
@@ -365,7 +365,7 @@ def _other_leaves_stored_like(new: Any, old: Any) -> Any:
 
   An NNX-style ``uint32`` counter that ``loss_fn`` returns as ``int32`` is
   stored back as ``uint32``, as floating leaves are stored in theirs (the
-  skip's ``lax.cond`` needs the old and the new state to have one type). A
+  skip's :func:`skip.either` needs the old and the new state to have one type). A
   leaf that cannot be stored so (another shape, a float for an integer, a
   PRNG key for a number or the reverse) is a ``TypeError`` naming its path.
   """
