@@ -144,9 +144,10 @@ def count_ops(jaxpr: Any, counts: dict[str, dict[str, int]]) -> None:
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
   for eqn in jaxpr.eqns:
     kind = _kind(eqn, readers)
-    dtype = _in_dtype(eqn) if kind is not None else ""
-    if kind == "matmul":
+    if kind == "matmul":  # Two float8 formats have no common dtype: named by both.
       dtype = matmul_dtype(eqn, producers)
+    else:
+      dtype = _in_dtype(eqn) if kind is not None else ""
     if dtype:
       per = counts.setdefault(kind, {})  # type: ignore[arg-type]  # kind is set here.
       per[dtype] = per.get(dtype, 0) + 1
