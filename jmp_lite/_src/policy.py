@@ -242,8 +242,8 @@ class Policy:
 
 
 _UNMATCHED_MSG = (
-    "keep rule {rule} of {where} selects no floating leaf of {trees}, so it keeps "
-    "{keeps}.{hint} The floating leaves are, e.g.: {paths}"
+    "keep rule {rule} of {where} selects no {what}, so it keeps "
+    "{keeps}.{hint} The {candidates} are, e.g.: {paths}"
 )
 _SNAKE_CASE_HINT = (
     " NNX (and Equinox) names are snake_case attribute names (e.g. 'batch_norm' or "
@@ -258,8 +258,7 @@ def _rule_name(rule: KeepRule) -> str:
   return name if isinstance(name, str) else repr(rule)[:60]
 
 
-def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any], where: str,
-                              keeps: str = "nothing in float32") -> None:
+def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any], where: str) -> None:
   """Warns (``UserWarning``) for each keep rule that selects no floating leaf of ``trees``.
 
   A rule that matches nothing is almost always a misspelt or mis-cased name
@@ -271,12 +270,27 @@ def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any]
     rules: the keep rules.
     trees: the trees the rules apply to, by name (``{"params": ..., ...}``).
     where: what the rules belong to, for the message (``"the policy"``).
-    keeps: what a rule that matches nothing fails to do, for the message.
   """
   leaves = [(tree_utils.path_str(p), x)
             for tree in trees.values() if tree is not None
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
             if tree_utils.is_floating_array(x)]
+  warn_unmatched(rules, leaves, where, "floating leaf of " + " or ".join(trees),
+                 "nothing in float32", "floating leaves")
+
+
+def warn_unmatched(rules: Iterable[KeepRule], leaves: list[tuple[str, Any]], where: str,
+                   what: str, keeps: str, candidates: str) -> None:
+  """Warns for each rule that selects none of ``leaves`` (``(path, leaf)`` pairs).
+
+  Args:
+    rules: the keep rules.
+    leaves: the candidates, as ``(path, leaf)``.
+    where: what the rules belong to, for the message.
+    what: what a rule selects none of, for the message (singular).
+    keeps: what an unmatched rule keeps, for the message.
+    candidates: what the candidates are, for the message (plural).
+  """
   for rule in rules:
     compiled = compile_rule(rule)
     if any(compiled(name, x) for name, x in leaves):
@@ -288,8 +302,9 @@ def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any]
       hint += _SNAKE_CASE_HINT
     paths = ", ".join(repr(n) for n, _ in leaves[:5]) or "none"
     warnings.warn(_UNMATCHED_MSG.format(
-        rule=_rule_name(rule), where=where, trees=" or ".join(trees), hint=hint, keeps=keeps,
-        paths=paths + (", ..." if len(leaves) > 5 else "")), UserWarning, stacklevel=2)
+        rule=_rule_name(rule), where=where, what=what, hint=hint, keeps=keeps,
+        candidates=candidates, paths=paths + (", ..." if len(leaves) > 5 else "")),
+        UserWarning, stacklevel=3)
 
 
 def _suggestion(name: str, whole: bool) -> str:
