@@ -198,13 +198,16 @@ def library_roots() -> tuple[str, ...]:
   return tuple(roots)
 
 
-def source_of(eqn: Any, roots: tuple[str, ...]) -> Union[str, None]:
-  """``"file:line (function)"`` of the first frame outside ``roots``, or ``None``."""
+def source_of(eqn: Any, roots: tuple[str, ...], fallback: bool = True) -> Union[str, None]:
+  """``"file:line (function)"`` of the first frame outside ``roots``, or ``None``.
+
+  Without such a frame: the first frame inside ``roots`` if ``fallback``, else ``None``.
+  """
   if _source_info_util is None or eqn is None:
     return None
   frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
   user = [f for f in frames if not os.path.abspath(f.file_name).startswith(roots)]
-  if not (user or frames):
+  if not (user or (frames and fallback)):
     return None
   frame = (user or frames)[0]
   name = frame.file_name
