@@ -177,8 +177,9 @@ def precision_report(
   ``fn`` runs under :func:`autocast` (with ``fp8``: its FP8 matmuls, counted
   under their float8 formats). Every operation of the program is counted
   once, including those in nested ``jit``, ``scan`` and ``cond`` bodies (a
-  loop body counts once, not per iteration). Data movement and converts are
-  not counted. A function made by ``jmp.autocast(fn, dtype, fp8=...)`` is
+  loop body counts once, not per iteration); operations whose results reach
+  no output are not, as XLA drops them. Data movement and converts are not
+  counted. A function made by ``jmp.autocast(fn, dtype, fp8=...)`` is
   traced as with ``autocast=True``, with its own dtype, lists and recipe.
 
   ``backward=True`` counts the step's forward and backward pass: the
@@ -240,7 +241,7 @@ def precision_report(
   """
   step = step_trace.as_step(fn, policy, autocast=autocast, fp8=fp8, cast_batch=cast_batch,
                             batch_keep_full=batch_keep_full, backward=backward, has_aux=has_aux)
-  jaxpr = step_trace.trace(step, args, model_state).jaxpr
+  jaxpr = jaxpr_utils.without_dead_code(step_trace.trace(step, args, model_state).jaxpr)
   counts: dict[str, dict[str, int]] = {}
   count_ops(jaxpr, counts)
   return PrecisionReport({k: counts[k] for k in KINDS if k in counts})

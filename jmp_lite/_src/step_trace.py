@@ -208,11 +208,10 @@ def _scaled_gradient(
   """The step's gradient stage (:func:`step_stages.scaled_gradient`) over ``fn``."""
   if not params:
     raise ValueError("backward=True needs the params as the first argument")
-  if with_state:
-    loss_fn: Callable[..., Any] = lambda p, s, b: fn(p, s, *b)
-  else:
-    loss_fn = lambda p, b: fn(p, *b)
+  loss_fn, one_batch = fn, batch[0] if len(batch) == 1 else batch
+  if len(batch) != 1:  # The step's loss_fn takes one batch: pass the others as one.
+    loss_fn = (lambda p, s, b: fn(p, s, *b)) if with_state else (lambda p, b: fn(p, *b))
   config = step_stages.StepConfig(
       loss_fn, step.policy or policy_lib.get_policy("float32"), has_aux=step.has_aux)
-  inputs = step_stages.Inputs(params[0], params[0], state, batch)  # .trained: unused here
+  inputs = step_stages.Inputs(params[0], params[0], state, one_batch)  # .trained: unused here
   return step_stages.scaled_gradient(config, inputs, scale)
