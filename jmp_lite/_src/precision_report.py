@@ -178,7 +178,8 @@ def precision_report(
   under their float8 formats). Every operation of the program is counted
   once, including those in nested ``jit``, ``scan`` and ``cond`` bodies (a
   loop body counts once, not per iteration); operations whose results reach
-  no output are not, as XLA drops them. Data movement and converts are not
+  no output are not, as XLA drops them (``jax.grad(fn)`` does not return the
+  loss, so a last matmul that only the loss needs does not run). Data movement and converts are not
   counted. A function made by ``jmp.autocast(fn, dtype, fp8=...)`` is
   traced as with ``autocast=True``, with its own dtype, lists and recipe.
 
