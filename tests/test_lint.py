@@ -249,20 +249,24 @@ def test_lint_tells_carries_random_draws_kept_leaves_and_pinned_layers_apart():
     drawn = jax.random.normal(batch["key"], (2, 8)) @ w  # float32 noise: no dtype given
     pinned = batch["x"].astype(jnp.float32) @ w.astype(jnp.float32)
     kept = batch["t"] @ w
-    return sum(jnp.sum(v.astype(jnp.float32)) for v in (carry, drawn, pinned, kept))
+    embedded = jax.nn.one_hot(batch["label"], 8) @ w  # one_hot: float32 by default
+    return sum(jnp.sum(v.astype(jnp.float32)) for v in (carry, drawn, pinned, kept, embedded))
 
   params = {"w": jnp.ones((8, 8))}
-  batch = {"x": jnp.ones((2, 8)), "t": jnp.ones((2, 8)), "key": jax.random.key(0)}
+  batch = {"x": jnp.ones((2, 8)), "t": jnp.ones((2, 8)), "key": jax.random.key(0),
+           "label": jnp.arange(2)}
   found = jmp.precision_lint(loss_fn, params, batch, policy=F16, batch_keep_full=("t",))
   causes = [f.reason.split(": ")[1].split(" (")[0] for f in found]
+  made = "a float32 value made inside the function"
   assert causes == [CARRY, "a random draw made in float32 inside the function",
-                    PINS, "a batch leaf passed in float32"]
-  # Without the keep rule the last matmul runs in float16; cast_batch=False keeps them all.
-  assert len(jmp.precision_lint(loss_fn, params, batch, policy=F16)) == 3
+                    PINS, "a batch leaf passed in float32", made]
+  assert "x.dtype" in found[1].reason and "jnp.zeros(shape, x.dtype)" in found[4].reason
+  # Without the keep rule the fourth matmul runs in float16; cast_batch=False keeps them all.
+  assert len(jmp.precision_lint(loss_fn, params, batch, policy=F16)) == 4
   uncast = jmp.precision_lint(loss_fn, params, batch, policy=F16, cast_batch=False)
   assert [f.reason.split(": ")[1].split(" (")[0] for f in uncast][1:] == [
       "a random draw made in float32 inside the function", "a batch leaf passed in float32",
-      "a batch leaf passed in float32"]
+      "a batch leaf passed in float32", made]
 
 
 def test_a_kept_param_is_named_and_a_promotion_convert_is_not_a_cause():
@@ -273,6 +277,12 @@ def test_a_kept_param_is_named_and_a_promotion_convert_is_not_a_cause():
   assert [f.reason.split(": ")[1] for f in found if f.op == "dot_general"] == [
       "a param that a keep rule keeps in float32; build the step with autocast=True, or "
       "cast the kept layer's output to float16"]
+  # Running statistics in the model state (never cast), used as they are.
+  state = {"mean": jnp.zeros(8)}
+  found = jmp.precision_lint(lambda p, s, x: (jnp.sum((x - s["mean"]) @ p["w"]), s), params,
+                             jnp.ones((2, 8)), policy=F16, model_state=state)
+  assert [f.reason.split(": ")[1].split(" (")[0] for f in found] == [
+      "a float32 model-state leaf"]
 
 
 # --- issue 29 item 4: repeated findings are grouped when printed ----------------------
@@ -332,6 +342,7 @@ def test_linting_an_autocast_function_gives_the_findings_of_autocast_true(fp8, d
   wrapped = jmp.autocast(sum_then_matmul, dtype, fp8=fp8)
   flagged = jmp.precision_lint(sum_then_matmul, params, x, policy=policy, autocast=True, fp8=fp8)
   assert jmp.precision_lint(wrapped, params, x, policy=policy) == flagged
+  assert jmp.precision_lint(jax.jit(wrapped), params, x, policy=policy) == flagged
   assert not [f for f in flagged if f.op.startswith("reduce")]
   assert len(flagged) == (2 if fp8 else 0)  # the FP8 GEMMs' 24s
   report = jmp.precision_report(wrapped, params, x, policy=policy)

@@ -209,15 +209,16 @@ def _lint_jaxpr(
   for eqn in jaxpr.eqns:
     for op, reason in _eqn_findings(eqn, ctx, readers, producers, origins, explained):
       findings.append(LintFinding(op, reason, source(eqn)))
-    origins.step(eqn, functools.partial(_lint_sub, ctx, findings, source(eqn)))
+    origins.step(eqn, functools.partial(_lint_sub, ctx, findings, source, eqn))
   return origins.outputs(jaxpr)
 
 
 def _lint_sub(
-    ctx: _Context, findings: list[LintFinding], outer: Union[str, None], sub: Any,
-    inputs: list[provenance.Labels],
+    ctx: _Context, findings: list[LintFinding], source: Callable[[Any], Union[str, None]],
+    eqn: Any, sub: Any, inputs: list[provenance.Labels],
 ) -> list[provenance.Labels]:
-  return _lint_jaxpr(sub, ctx, findings, outer, inputs)
+  """Lints ``sub``, a jaxpr of ``eqn``: its findings fall back to ``eqn``'s source."""
+  return _lint_jaxpr(sub, ctx, findings, source(eqn), inputs)
 
 
 def _eqn_findings(

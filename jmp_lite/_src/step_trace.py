@@ -71,11 +71,14 @@ class AsStep:
 
 
 def autocast_call(fn: Any) -> Union[autocast_lib.AutocastCall, None]:
-  """What ``fn`` runs if :func:`autocast` made it (not a wrapper of one), else ``None``.
+  """What ``fn`` runs if :func:`autocast` made it (or ``jax.jit`` of it), else ``None``.
 
   ``functools.wraps`` and ``jax.grad`` copy a function's attributes, so the
-  record counts only on the function whose ``__wrapped__`` is the record's own.
+  record counts only on the function whose ``__wrapped__`` is the record's own;
+  ``jax.jit`` (a function with ``lower``) computes what it wraps, and is looked through.
   """
+  while hasattr(fn, "lower") and getattr(fn, "__wrapped__", None) is not None:
+    fn = fn.__wrapped__
   record = getattr(fn, "_jmp_autocast", None)
   if isinstance(record, autocast_lib.AutocastCall) and getattr(fn, "__wrapped__", None) is record.fun:
     return record
