@@ -134,7 +134,6 @@ def as_step(
     made = autocast_call(autocast_lib.autocast(fn, policy.compute_dtype, fp8=recipe))
   elif recipe is not None:
     raise ValueError(_FP8_MSG.format(fp8=fp8))
-  batch_keep_full = tuple(batch_keep_full)
   if policy is None and batch_keep_full:
     raise ValueError(f"batch_keep_full={batch_keep_full!r} needs a policy: nothing is cast without one")
   batch_policy = None
