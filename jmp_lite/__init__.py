@@ -12,6 +12,7 @@ from jmp_lite._src.grad_report import LeafStats
 from jmp_lite._src.grad_report import gradient_report
 from jmp_lite._src.grad_report import nonfinite_paths
 from jmp_lite._src.lint import LintFinding
+from jmp_lite._src.lint import LintFindings
 from jmp_lite._src.lint import precision_lint
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
@@ -44,6 +45,7 @@ __all__ = (
     "GradientReport",
     "LeafStats",
     "LintFinding",
+    "LintFindings",
     "LossScale",
     "LossScaleState",
     "NoOpLossScale",

@@ -22,7 +22,7 @@ DOCUMENTED = {
     # Autocast.
     "autocast", "AutocastLists", "Float8Recipe",
     # Diagnostics.
-    "GradientReport", "LeafStats", "LintFinding", "gradient_report",
+    "GradientReport", "LeafStats", "LintFinding", "LintFindings", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
 }
 

@@ -16,7 +16,7 @@ higher-order primitives to (:mod:`autocast_control`), registered here.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, ParamSpec, TypeVar, Union
+from typing import Any, Callable, NamedTuple, ParamSpec, TypeVar, Union
 
 import jax
 import numpy as np
@@ -43,6 +43,15 @@ def _register() -> None:
 
 
 _register()
+
+
+class AutocastCall(NamedTuple):
+  """What a function made by :func:`autocast` runs (its ``_jmp_autocast``), for the diagnostics."""
+
+  fun: Callable[..., Any]
+  dtype: np.dtype
+  lists: autocast_lists.AutocastLists
+  fp8: Union[fp8_lib.Float8Recipe, None]
 
 
 def _check_dtype(dtype: Any) -> np.dtype:
@@ -182,4 +191,5 @@ def autocast(
     outs = interp.eval_closed(closed, jax.tree.leaves(traced), cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])
 
+  wrapped._jmp_autocast = AutocastCall(fun, cfg.dtype, lists, cfg.fp8)  # type: ignore[attr-defined]
   return wrapped
