@@ -48,6 +48,7 @@ FLAG_SETS: dict[str, dict[str, Any]] = {
     "no-triton-gemm": {"xla_gpu_enable_triton_gemm": False},
 }
 VARIANTS = ("fp32", "fp32_step", "bf16", "f16_dynamic", "bf16_lean", "bf16_autocast", "bf16_fp8",
+            "bf16_fp8_rowwise",
             "f16_noscale", "jmp_dynamic", "flax_dynamic")
 SMOKE_VARIANTS = ("bf16", "bf16_fp8", "jmp_dynamic")
 PLUGIN_HINT = ("the CUDA plugin for jax is not installed: pip install -e '.[gpu]' (about 5.6 GB; "
@@ -120,6 +121,10 @@ BARS = (
     ("bf16_fp8: GEMMs not on float8 operands (share)", "bf16_fp8", None, 0.0, None, "default"),
     ("bf16_fp8: GEMMs not on float8 operands (share)", "bf16_fp8", None, 0.0, None,
      "no-triton-gemm"),
+    ("bf16_fp8_rowwise: GEMMs not on float8 operands (share)", "bf16_fp8_rowwise", None, 0.0,
+     None, "default"),
+    ("bf16_fp8_rowwise: GEMMs not on float8 operands (share)", "bf16_fp8_rowwise", None, 0.0,
+     None, "no-triton-gemm"),
 )
 
 

@@ -19,6 +19,8 @@ is jitted with its state donated:
                 Without a GPU with FP8 tensor cores XLA emulates the float8
                 dots, so on a CPU it is slower, not faster. Not in the default
                 set; name it: ``--variants bf16_autocast,bf16_fp8``.
+  bf16_fp8_rowwise  ``bf16_fp8`` with ``Float8Recipe(scaling="rowwise")``: a scale
+                per row of each operand. Not in the default set.
   fp32_step     jmp_lite ``make_train_step`` with the ``float32`` policy and plain
                 ``adam``: the library's step with no mixed precision, against
                 ``fp32``. Not in the default set.
@@ -58,6 +60,7 @@ VARIANTS = (
     "f16_autocast",
     "bf16_autocast",
     "bf16_fp8",
+    "bf16_fp8_rowwise",
     "fp32_step",
     "bf16_lean",
     "f16_noscale",
@@ -72,6 +75,7 @@ LABELS = {
     "f16_autocast": "jmp_lite f16 + dynamic scaling, autocast",
     "bf16_autocast": "jmp_lite bf16, autocast",
     "bf16_fp8": "jmp_lite bf16, autocast + FP8 matmuls",
+    "bf16_fp8_rowwise": "jmp_lite bf16, autocast + FP8 matmuls, rowwise scales",
     "fp32_step": "jmp_lite fp32 policy, plain adam",
     "bf16_lean": "jmp_lite bf16, bf16 masters (stochastic)",
     "f16_noscale": "f16, no scaling (hand-written)",
@@ -80,7 +84,8 @@ LABELS = {
 }
 
 # What ``--variants all`` runs (``fp32_highest`` only on a GPU).
-ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8", "fp32_step", "bf16_lean")
+ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise", "fp32_step",
+                   "bf16_lean")
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ONLY_WHEN_NAMED)
 
 LEARNING_RATE = 1e-3
@@ -269,7 +274,8 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
         jmp_lite.make_train_step(problem.loss_fn, jmp_lite.get_policy("float32")),
         lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=tx),
     )
-  if name in ("bf16", "f16_dynamic", "f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_lean"):
+  if name in ("bf16", "f16_dynamic", "f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise",
+              "bf16_lean"):
     if name.startswith("bf16"):
       policy = jmp_lite.get_policy("mixed_bfloat16")
       lib_tx = jmp_lite.static_loss_scaling(tx, 1.0)
@@ -278,6 +284,8 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
       lib_tx = jmp_lite.dynamic_loss_scaling(
           tx, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
       )
+    fp8_recipes = {"bf16_fp8": True,
+                   "bf16_fp8_rowwise": jmp_lite.Float8Recipe(scaling="rowwise")}
     lean = {}
     if name == "bf16_lean":
       lean = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(0))
@@ -285,7 +293,7 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
         name,
         # Jitted, donates the state.
         jmp_lite.make_train_step(problem.loss_fn, policy, autocast="autocast" in name or "fp8" in name,
-                                 fp8=name == "bf16_fp8"),
+                                 fp8=fp8_recipes.get(name)),
         lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=lib_tx, **lean),
         lambda s: jmp_lite.loss_scale_of(s.opt_state),
     )

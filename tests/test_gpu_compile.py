@@ -80,3 +80,26 @@ def test_without_the_plugin_the_command_says_what_to_install(monkeypatch, capsys
   with pytest.raises(SystemExit) as e:
     gpu_compile.main(["--smoke"])
   assert e.value.code == 2 and "pip install -e '.[gpu]'" in capsys.readouterr().err
+
+
+@needs_plugin
+@pytest.mark.parametrize("recipe,bf16_gemms", [
+    (dict(scaling="rowwise"), 0),
+    (dict(keep=r"^Dense_0/"), 2),                 # its forward and weight-gradient GEMMs
+    (dict(keep=r"^Dense_0/", scaling="rowwise"), 2),
+])
+def test_steered_fp8_steps_compile_to_float8_gemms_except_the_kept(recipe, bf16_gemms):
+  """Issue 30: rowwise and keep-rule steps hold float8 GEMMs only, but for the kept layer's."""
+  import jmp_lite as jmp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  problem = models.build_problem("mlp", "smoke")
+  step = jmp.make_train_step(problem.loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True,
+                             fp8=jmp.Float8Recipe(**recipe))
+  init = lambda: jmp.TrainState.create(params=problem.params, tx=optax.adam(1e-3))
+  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
+  for flags in gpu_compile.FLAG_SETS.values():
+    compiled = gpu_compile.compile_step(step, (jax.eval_shape(init), problem.batch), sharding, flags)
+    summary = hlo_census.summary(hlo_census.census(compiled.as_text()))
+    assert summary["gemms"] - summary["fp8_gemms"] == bf16_gemms, summary["gemm_kinds"]
+    assert all(" bf16 x bf16" in k or "f8" in k for k in summary["gemm_kinds"]), summary

@@ -15,6 +15,7 @@ from typing import Any, Union
 
 from jmp_lite._src import autocast_interpret as interp
 from jmp_lite._src import fp8_dot
+from jmp_lite._src import fp8_plan
 
 
 def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None]:
@@ -43,6 +44,8 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
   """
   recipe = cfg.fp8
   if recipe is None or eqn.params.get("out_sharding") is not None:
+    return None
+  if not fp8_plan.decide(eqn, recipe):  # Kept by a rule, too small, or not selected.
     return None
   lhs, rhs = ins
   if interp.value_dtype(lhs) != cfg.dtype or interp.value_dtype(rhs) != cfg.dtype:

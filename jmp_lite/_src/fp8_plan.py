@@ -76,6 +76,8 @@ class Plan:
 
 _ACTIVE: contextvars.ContextVar[Union[Plan, None]] = contextvars.ContextVar(
     "jmp_lite_fp8_plan", default=None)
+_ONLY: contextvars.ContextVar[Union[frozenset[int], None]] = contextvars.ContextVar(
+    "jmp_lite_fp8_only", default=None)
 
 
 def _dims(eqn: Any) -> tuple[int, int, int, int]:
@@ -155,8 +157,8 @@ def matmuls(jaxpr: Any, paths: Sequence[Union[str, None]]) -> list[tuple[Any, Ma
 
 
 def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
-         recipe: Float8Recipe, only: Union[frozenset[int], None] = None) -> Plan:
-  """The :class:`Plan` of ``jaxpr`` under ``recipe``'s keep rules.
+         recipe: Float8Recipe) -> Plan:
+  """The :class:`Plan` of ``jaxpr`` under ``recipe``'s keep rules (and :func:`selecting`).
 
   A keep rule that keeps no matmul warns (``UserWarning``), naming the rule
   and the paths the matmuls read, as the policy's keep rules do.
@@ -173,7 +175,17 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
     policy_lib.warn_unmatched(recipe.keep, read, "the Float8Recipe",
                               "argument leaf that a matmul reads", "no matmul in half",
                               "leaves the matmuls read")
-  return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), only)
+  return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), _ONLY.get())
+
+
+@contextlib.contextmanager
+def selecting(only: Union[frozenset[int], None]) -> Iterator[None]:
+  """Plans made while the block runs let only the matmuls numbered ``only`` run in FP8."""
+  token = _ONLY.set(only)
+  try:
+    yield
+  finally:
+    _ONLY.reset(token)
 
 
 @contextlib.contextmanager

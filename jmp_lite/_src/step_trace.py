@@ -131,7 +131,7 @@ def as_step(
       raise ValueError("autocast=True needs a policy: its compute dtype is the autocast dtype")
     if _is_grad(fn):
       raise ValueError(_GRAD_MSG)
-    made = autocast_call(autocast_lib.autocast(fn, policy.compute_dtype, fp8=recipe))
+    made = autocast_call(autocast_lib.step_autocast(fn, policy.compute_dtype, recipe))
   elif recipe is not None:
     raise ValueError(_FP8_MSG.format(fp8=fp8))
   if policy is None and batch_keep_full:
@@ -174,8 +174,7 @@ def trace(step: AsStep, args: tuple[Any, ...], model_state: Any = None) -> Trace
   """
   fn = step.fn
   if step.autocast is not None:
-    made = step.autocast
-    fn = autocast_lib.autocast(fn, made.dtype, lists=made.lists, fp8=made.fp8)
+    fn = step.autocast.apply()
   parts = [filtering.partition(x) for x in (model_state, args[:1], args[1:])]
   counts = [sum(x is not None for x in traced) for traced, _ in parts]
   roles = ("state",) * counts[0] + ("param",) * counts[1] + ("batch",) * counts[2]
