@@ -31,7 +31,11 @@ changes:
   with ``mixed_bfloat16`` and ``mixed_float16``: every matmul on float8
   operands with per-tensor current scaling, the rest as autocast. Without a
   GPU with FP8 tensor cores, XLA emulates them (slower than bf16). Their
-  results are named ``transformer_lm_fp8.*``.
+  results are named ``transformer_lm_fp8.*``;
+* ``fp8_bf16_keep_ends`` and ``fp8_bf16_rowwise`` (not run by default): FP8
+  steered with a ``jmp.Float8Recipe``: the first block and the read-out kept in
+  bf16 (``keep=r"params/(?:Block_0|Dense_0)/"``), or one scale per row
+  (``scaling="rowwise"``).
 
 The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
@@ -48,7 +52,7 @@ import argparse
 import dataclasses
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -71,6 +75,11 @@ MODES = {
     "autocast_bf16": ("mixed_bfloat16", True, False),
     "fp8_bf16": ("mixed_bfloat16", True, True),
     "fp8_f16": ("mixed_float16", True, True),
+    # FP8 steered (issue 30): the first block and the read-out kept in bf16, as
+    # Megatron's --first-last-layers-bf16 does; or one scale per row.
+    "fp8_bf16_keep_ends": ("mixed_bfloat16", True,
+                           jmp.Float8Recipe(keep=r"params/(?:Block_0|Dense_0)/")),
+    "fp8_bf16_rowwise": ("mixed_bfloat16", True, jmp.Float8Recipe(scaling="rowwise")),
 }
 DEFAULT_MODES = ("fp32", "mixed_f16", "autocast_f16", "autocast_bf16")
 
@@ -113,7 +122,7 @@ class Result:
   mode: str
   policy: str
   autocast: bool
-  fp8: bool
+  fp8: str  # "" (off), or the recipe: "fp8", "fp8 rowwise", "fp8 keep <rules>"
   valid_bpb: float  # bits per byte on the validation text
   train_loss: float  # mean of the last 50 steps, nats per byte
   step_ms: float
@@ -121,6 +130,23 @@ class Result:
   final_scale: float
   losses: np.ndarray
   finite: np.ndarray
+
+
+def describe_fp8(fp8: Any) -> str:
+  """A mode's FP8 setting in words, for the table.
+
+  Examples:
+    >>> describe_fp8(False), describe_fp8(True), describe_fp8(jmp.Float8Recipe(scaling="rowwise"))
+    ('', 'fp8', 'fp8 rowwise')
+    >>> describe_fp8(jmp.Float8Recipe(keep="Block_0"))
+    'fp8 keep Block_0'
+  """
+  recipe = jmp.Float8Recipe() if fp8 is True else fp8
+  if not recipe:
+    return ""
+  words = ["fp8"] + (["rowwise"] if recipe.scaling == "rowwise" else [])
+  words += [f"keep {' '.join(map(str, recipe.keep))}"] if recipe.keep else []
+  return " ".join(words)
 
 
 def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
@@ -140,7 +166,7 @@ def loss_fn(model: TransformerLM, params, batch, naive: bool = False) -> jax.Arr
 
 
 def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, batch: int,
-             fp8: bool = False) -> float:
+             fp8: Any = False) -> float:
   """Bits per byte over the validation text, in the mode's precision."""
   apply = model.apply
   if autocast:
@@ -191,7 +217,7 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
       mode=mode,
       policy=str(policy),
       autocast=autocast,
-      fp8=fp8,
+      fp8=describe_fp8(fp8),
       valid_bpb=evaluate(model, policy, autocast, state.params, valid, seq_len, batch, fp8),
       train_loss=float(losses[-50:].mean()),
       step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
@@ -208,7 +234,7 @@ def table(results: Sequence[Result]) -> str:
       [
           r.mode,
           r.policy,
-          ("yes, fp8" if r.fp8 else "yes") if r.autocast else "no",
+          (f"yes, {r.fp8}" if r.fp8 else "yes") if r.autocast else "no",
           f"{r.valid_bpb:.4f}",
           f"{100 * (r.valid_bpb / base.valid_bpb - 1):+.2f}%",
           f"{r.train_loss:.3f}",
