@@ -187,8 +187,11 @@ def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, b
 
 def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.ndarray, *,
         steps: int, batch: int, seq_len: int, lr: float, seed: int, naive: bool = False,
-        progress: bool = True) -> Result:
-  """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``."""
+        progress: bool = True, trained: dict[str, Any] | None = None) -> Result:
+  """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``.
+
+  With ``trained`` (a dict), its ``"params"`` entry receives the final params.
+  """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
   policy_name, autocast, fp8 = MODES[mode]
@@ -211,6 +214,8 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "grads_finite")})
   metrics = jax.device_get(metrics)
+  if trained is not None:
+    trained["params"] = state.params
   losses = np.array([m["loss"] for m in metrics], np.float32)
   finite = np.array([bool(m["grads_finite"]) for m in metrics])
   return Result(
@@ -302,6 +307,17 @@ def positive_int(text: str) -> int:
   return value
 
 
+def sensitivity(model: TransformerLM, params: Any, valid: np.ndarray,
+                args: argparse.Namespace) -> str:
+  """``jmp.fp8_sensitivity`` of the loss of the first mode's trained model, on validation text."""
+  starts = np.arange(args.batch) * (args.seq_len + 1)
+  b = windows(valid, starts, args.seq_len)
+  report = jmp.fp8_sensitivity(lambda p, b: loss_fn(model, p, b, False), params, b)
+  return (f"FP8 sensitivity of the {args.modes[0]} model after {args.steps} steps, on "
+          f"{args.batch} validation windows:\n\n```text\n{report}\n```\n\n"
+          f"Keep rule for the worst 3: `{report.keep_rule(3)}`")
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command-line parser."""
   p = _common.parser(__doc__)
@@ -328,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--loss", choices=("optax", "naive"), default="optax",
                  help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
                       "(results named transformer_lm_naive.*) (default: %(default)s)")
+  p.add_argument("--sensitivity", action="store_true",
+                 help="after training the first mode, print and write jmp.fp8_sensitivity of its "
+                      "model: which matmul FP8 hurts most (default: off)")
   _common.add_output_arguments(p, "a tiny model for a few steps, for CI")
   return p
 
@@ -362,15 +381,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         f"{_common.machine()}", flush=True)
   _common.announce_output(args.out)
   params = jax.jit(model.init)(*init_args)
-  results = []
+  results, trained = [], {}
   for mode in args.modes:
     policy_name, autocast, fp8 = MODES[mode]
     print(f"training {mode} (policy {policy_name}, autocast {autocast}"
           f"{', fp8' if fp8 else ''}) ...", flush=True)
     results.append(run(mode, model, params, train_tokens, valid_tokens, steps=args.steps,
                        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                       naive=args.loss == "naive", progress=not args.no_progress))
+                       naive=args.loss == "naive", progress=not args.no_progress,
+                       trained=trained if not results else None))
   text = table(results)
+  if args.sensitivity:
+    text += "\n" + sensitivity(model, trained["params"], valid_tokens, args) + "\n"
   print()
   print(text)
   if args.out is None:

@@ -204,7 +204,7 @@ def test_sensitivity_ranks_the_layer_with_the_hostile_input_first():
   assert report.rows[0].shape == (128, 64, 64, 1)
   assert all(r.grad_error is not None and r.grad_error >= 0 for r in report.rows)
   text = str(report)
-  assert text.splitlines()[2].startswith("0/layer2") and "128x64x64" in text
+  assert text.splitlines()[2].startswith("layer2 ") and "128x64x64" in text
   # The rule the report offers keeps that layer in half, in autocast and in the step.
   rule = report.keep_rule(1)
   assert rule == "(?:^|/)(?:layer2)$"

@@ -51,8 +51,8 @@ class Float8SensitivityRow:
 
   @property
   def label(self) -> str:
-    """The weight's path, or ``#index name``."""
-    return self.weight or f"#{self.index} {self.name}".rstrip()
+    """The weight's path within its argument (``params/Dense_1/kernel``), or ``#index name``."""
+    return _within_arg(self.weight) if self.weight else f"#{self.index} {self.name}".rstrip()
 
   @property
   def worst(self) -> float:
@@ -94,13 +94,17 @@ class Float8Sensitivity:
     head = (f"FP8 sensitivity ({np.dtype(self.recipe.forward).name} x "
             f"{np.dtype(self.recipe.backward).name}, {self.recipe.scaling}; the others in "
             f"{self.dtype.name}), worst first:")
-    lines = [head, f"{'matmul':<44} {'M x K x N':>18} {'output err':>10} {'grad err':>9}"]
+    lines = [head, f"{'matmul':<{_WIDTH}} {'M x K x N':>18} {'output err':>10} {'grad err':>9}"]
     for r in self.rows:
       m, k, n, b = r.shape
       size = f"{m}x{k}x{n}" + (f" (x{b})" if b > 1 else "")
       grad = "-" if r.grad_error is None else f"{r.grad_error:.2e}"
-      lines.append(f"{r.label[:44]:<44} {size:>18} {r.output_error:>10.2e} {grad:>9}")
+      label = r.label if len(r.label) <= _WIDTH else "..." + r.label[3 - _WIDTH:]
+      lines.append(f"{label:<{_WIDTH}} {size:>18} {r.output_error:>10.2e} {grad:>9}")
     return "\n".join(lines)
+
+
+_WIDTH = 52  # The matmul column of the printed table; longer labels keep their end.
 
 
 def _within_arg(path: str) -> str:
