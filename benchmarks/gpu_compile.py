@@ -160,11 +160,41 @@ def _kinds(kinds: dict[str, int]) -> str:
   return ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
 
 
+SUMMARY_VARIANTS = ("jmp_dynamic", "f16_dynamic", "bf16", "bf16_lean", "fp32", "fp32_step",
+                    "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise")
+
+
+def summary_tables(result: dict[str, Any]) -> list[str]:
+  """Two Markdown tables: temp memory per model (default flags), and the FP8 steps' GEMMs."""
+  index = {(r["model"], r["flags"], r["variant"]): r for r in result["rows"]}
+  model_names = list(dict.fromkeys(r["model"] for r in result["rows"]))
+  present = [v for v in SUMMARY_VARIANTS if any((m, "default", v) in index for m in model_names)]
+  lines = ["Temp MiB of one compiled step (XLA's default flags):", "",
+           "| model | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
+  for m in model_names:
+    cells = [_mib(index[m, "default", v]["temp_bytes"]) if (m, "default", v) in index else "n/a"
+             for v in present]
+    lines.append(f"| {m} | " + " | ".join(cells) + " |")
+  fp8 = [v for v in ("bf16_fp8", "bf16_fp8_rowwise") if v in present]
+  if fp8:
+    lines += ["", "The FP8 steps' GEMMs, by runner and operand dtypes:", "",
+              "| model | variant | flags | GEMMs | on float8 | by runner |", "|---|---|---|---|---|---|"]
+    for m in model_names:
+      for v in fp8:
+        for flags in FLAG_SETS:
+          r = index.get((m, flags, v))
+          if r is not None:
+            lines.append(f"| {m} | {v} | {flags} | {r['gemms']} | {r['fp8_gemms']} | "
+                         f"{_kinds(r['gemm_kinds'])} |")
+  return lines + [""]
+
+
 def markdown(result: dict[str, Any]) -> str:
-  """The report: one table per model and flag set, then the bars."""
+  """The report: the summary, one table per model and flag set, then the bars."""
   lines = [report.meta_line(result["meta"]), "",
            f"**Compiled for an {result['target_device']}, not run** (target `{result['target']}`): "
            "the kernels and memory of the program XLA would run there. Nothing was timed.", ""]
+  lines += summary_tables(result)
   groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
   for r in result["rows"]:
     groups.setdefault((r["model"], r["flags"]), []).append(r)

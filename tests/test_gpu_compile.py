@@ -103,3 +103,17 @@ def test_steered_fp8_steps_compile_to_float8_gemms_except_the_kept(recipe, bf16_
     summary = hlo_census.summary(hlo_census.census(compiled.as_text()))
     assert summary["gemms"] - summary["fp8_gemms"] == bf16_gemms, summary["gemm_kinds"]
     assert all(" bf16 x bf16" in k or "f8" in k for k in summary["gemm_kinds"]), summary
+
+
+@needs_plugin
+def test_the_skip_is_a_select_on_the_gpu_and_a_cond_on_the_cpu():
+  """skip.either: XLA:GPU would copy every operand a conditional passes through."""
+  from benchmarks import variants  # pylint: disable=import-outside-toplevel
+
+  problem = models.build_problem("mlp", "smoke")
+  variant = variants.make_variant("f16_dynamic", problem)
+  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
+  gpu = gpu_compile.compile_step(variant.fn, (jax.eval_shape(variant.init), problem.batch),
+                                 sharding, {}).as_text()
+  cpu = variant.fn.lower(variant.init(), problem.batch).compile().as_text()
+  assert " conditional(" not in gpu and " conditional(" in cpu

@@ -79,9 +79,18 @@ def test_sums_widen_to_float64_params():
     assert skip.unscale(grads, jnp.float32(2.0), params)["w"].dtype == jnp.float64
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def skip_form(request, monkeypatch):
+  """The skip as XLA:CPU runs it (``lax.cond``), and as XLA:GPU does (a select), here on the CPU."""
+  if request.param == "gpu":
+    monkeypatch.setattr(jax.lax, "platform_dependent",
+                        lambda *args, cpu, default: default(*args))
+  return request.param
+
+
 @pytest.mark.parametrize("apply", [False, True])
 @pytest.mark.parametrize("bad", [None, "grad", "value"])
-def test_guarded_update_applies_or_passes_through(apply, bad):
+def test_guarded_update_applies_or_passes_through(apply, bad, skip_form):
   params = {"w": jnp.array([1.0, -0.0, 2.0])}
   tx = optax.adam(0.1)
   state = tx.init(params)
@@ -144,3 +153,27 @@ def test_float16_sum_after_unscaling_matches_a_float64_reference(scale):
   for bad in (jnp.inf, jnp.nan):
     poisoned = {**grads, "big": grads["big"].at[7, 3].set(bad)}
     assert not np.isfinite(float(skip.unscaled_sumsq(poisoned, inv)))
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "inf"])
+def test_the_select_skip_is_bit_exact_too(bad, skip_form):
+  """A train step with the GPU's select skip: applied as the cond's, skipped bit for bit."""
+  def loss_fn(params, model_state, batch):
+    h = jnp.tanh(batch["x"] @ params["w"]) * batch["poison"]
+    return jnp.mean(h ** 2), {"count": model_state["count"] + 1, "avg": model_state["avg"] * 0.5}
+  params = {"w": jnp.array([[1.0, -0.0], [0.5, 2.0]]), "b": jnp.array([-0.0, 3.0])}
+  model_state = {"count": jnp.int32(0), "avg": jnp.array([1.0, -0.0])}
+  poison = {None: 1.0, "nan": jnp.nan, "inf": jnp.inf}[bad]
+  batch = {"x": jnp.ones((4, 2)), "poison": jnp.float32(poison)}
+  tx = jmp.dynamic_loss_scaling(optax.adam(0.1), init_scale=4.0)
+  state = jmp.TrainState.create(params=params, tx=tx, model_state=model_state)
+  before = jax.device_get((state.params, state.opt_state.inner_state, state.model_state))
+  new, metrics = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_float16"), donate=False)(
+      state, batch)
+  assert bool(metrics["grads_finite"]) is (bad is None)
+  after = (new.params, new.opt_state.inner_state, new.model_state)
+  if bad is None:
+    assert int(new.model_state["count"]) == 1 and float(new.params["w"][0, 0]) != 1.0
+  else:
+    assert_bitwise_equal(after, before)
+    assert float(jmp.loss_scale_of(new.opt_state)) == 2.0
