@@ -83,7 +83,10 @@ _ONLY: contextvars.ContextVar[Union[frozenset[int], None]] = contextvars.Context
 def _dims(eqn: Any) -> tuple[int, int, int, int]:
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-  free = lambda shape, c, b: math.prod(d for i, d in enumerate(shape) if i not in c and i not in b)
+
+  def free(shape: Sequence[int], c: Sequence[int], b: Sequence[int]) -> int:
+    return math.prod(d for i, d in enumerate(shape) if i not in c and i not in b)
+
   return (free(lhs, lc, lb), math.prod(lhs[i] for i in lc), free(rhs, rc, rb),
           math.prod(lhs[i] for i in lb))
 
@@ -165,14 +168,15 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
   """
   found = matmuls(jaxpr, paths)
   kept: set[int] = set()
-  if recipe.keep:
+  keep = tuple(recipe.keep)  # type: ignore[arg-type]  # Normalised to a tuple by the recipe.
+  if keep:
     leaf_of = {p: x for p, x in zip(paths, leaves) if p is not None}
     read = list({p: leaf_of[p] for _, m in found for p in m.paths if p in leaf_of}.items())
-    rules = [policy_lib.compile_rule(r) for r in recipe.keep]
+    rules = [policy_lib.compile_rule(r) for r in keep]
     for eqn, m in found:
       if any(rule(p, leaf_of[p]) for rule in rules for p in m.paths if p in leaf_of):
         kept.add(m.index)
-    policy_lib.warn_unmatched(recipe.keep, read, "the Float8Recipe",
+    policy_lib.warn_unmatched(keep, read, "the Float8Recipe",
                               "argument leaf that a matmul reads", "no matmul in half",
                               "leaves the matmuls read")
   return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), _ONLY.get())
@@ -208,7 +212,9 @@ def decide(eqn: Any, recipe: Float8Recipe) -> bool:
   if min(lhs_free, contracting, rhs_free) < recipe.min_size:
     return False
   p = _ACTIVE.get()
-  m = None if p is None else p.matmuls.get(id(eqn))
-  if m is None:
-    return p is None or p.only is None
+  if p is None:
+    return True
+  m = p.matmuls.get(id(eqn))
+  if m is None:  # Not in the traced function's jaxpr (a rule run later): as configured.
+    return p.only is None
   return m.index not in p.kept and (p.only is None or m.index in p.only)

@@ -134,10 +134,14 @@ def _matmuls(fn: Callable[..., Any], traced: list[Any], spec: Any,
 def _weight(m: fp8_plan.Matmul) -> Union[str, None]:
   """The path whose gradient a row reports: the first argument's (the params) if read."""
   first = [p for p in m.paths if p.split("/", 1)[0] == "0"]
-  return (first or list(m.paths) or [None])[0]
+  return (first or list(m.paths) or [None])[0]  # type: ignore[list-item]
 
 
-def _runner(fn: Callable[..., Any], args: tuple[Any, ...], dtype: np.dtype) -> Callable[..., Any]:
+Runner = Callable[[Union[Float8Recipe, None], Union[frozenset[int], None]], tuple[Any, Any]]
+
+
+def _runner(fn: Callable[..., Any], args: tuple[Any, ...],
+            dtype: np.dtype) -> tuple[Runner, list[int]]:
   """``run(recipe, only)``: the output leaves and the gradient of every floating argument leaf."""
   traced, spec = filtering.partition(args)
   floating = [i for i, x in enumerate(traced) if tree_utils.is_floating_array(x)]
@@ -164,8 +168,7 @@ def _runner(fn: Callable[..., Any], args: tuple[Any, ...], dtype: np.dtype) -> C
 
     with fp8_plan.selecting(only):  # Read by autocast's plan while jit traces.
       out, grads = outputs_and_grads([traced[i] for i in floating])
-    as64 = lambda xs: [np.asarray(x, np.float64) for x in xs]
-    return as64(out), as64(grads)
+    return [np.asarray(x, np.float64) for x in out], [np.asarray(x, np.float64) for x in grads]
 
   return run, floating
 
