@@ -267,6 +267,7 @@ def _fp8_dot_bwd(dims: Dims, recipe: Float8Recipe, precision: Any, out: np.dtype
   return _first_order(_backward_gemms, dims, recipe, precision)(residuals, g)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # One dispatch when eager.
 def _backward_gemms(dims: Dims, recipe: Float8Recipe, precision: Any, residuals: Any,
                     g: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The two gradient GEMMs, each on float8 operands."""
