@@ -49,6 +49,18 @@ class NNXMLP(nnx.Module):
     return self.last(nnx.relu(self.middle(nnx.relu(self.first(x)))))
 
 
+def linen_problem():
+  """``(params, batch, loss_fn)``: the Linen MLP on 8 examples of 16 classes."""
+  model, x = LinenMLP(), normal(0, (8, 32))
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                           batch["y"]).mean()
+
+  return model.init(jax.random.key(1), x)["params"], {"x": x, "y": jnp.arange(8) % 16}, loss_fn
+
+
 # ------------------------------------------------------------------ keep rules
 
 
@@ -92,14 +104,7 @@ def test_a_keep_rule_keeps_a_whole_scanned_stack():
 
 def test_keep_rules_in_the_train_step_see_the_params_own_paths():
   """Under make_train_step the paths are the params' (``Dense_0/kernel``), as the policy's."""
-  model, x = LinenMLP(), normal(0, (8, 32))
-  params = model.init(jax.random.key(1), x)["params"]
-  batch = {"x": x, "y": jnp.arange(8) % 16}
-
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                           batch["y"]).mean()
+  params, batch, loss_fn = linen_problem()
 
   recipe = jmp.Float8Recipe(keep=r"^Dense_0/")
   policy = jmp.get_policy("mixed_bfloat16")
@@ -155,14 +160,7 @@ def test_min_size_in_between_splits_the_gemms():
 
 
 def test_rowwise_recipe_trains_in_the_step():
-  model, x = LinenMLP(), normal(0, (8, 32))
-  params = model.init(jax.random.key(1), x)["params"]
-  batch = {"x": x, "y": jnp.arange(8) % 16}
-
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                           batch["y"]).mean()
+  params, batch, loss_fn = linen_problem()
 
   step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True,
                              fp8=jmp.Float8Recipe(scaling="rowwise"))
