@@ -41,7 +41,9 @@ def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
     if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
       return _own_key(x)
     return jnp.array(x, dtype=x.dtype, copy=True)
-  if tree_utils.is_inexact_array(x):  # NumPy floating: a jax array, as before.
+  if isinstance(x, (np.ndarray, np.generic)):
+    # NumPy arrays are mutable and shared with the caller (an index buffer, a
+    # mask reused by a data pipeline): the state holds a jax copy instead.
     return jnp.array(x, copy=True)
   return x
 
@@ -91,6 +93,8 @@ def _init_owned(tx: optax.GradientTransformation, params: optax.Params) -> optax
   seen: set[int] = set()
 
   def own(x: Any) -> Any:
+    if isinstance(x, (np.ndarray, np.generic)):
+      return jnp.array(x, copy=True)
     if not isinstance(x, jax.Array):
       return x
     if id(x) in existing or id(x) in seen:
@@ -202,7 +206,9 @@ class TrainState:
     step only ever deletes the state's arrays, never the caller's. That holds
     for ``tx.init``'s output too: a leaf it shares with the params (prodigy's
     initial params) or with the caller (an ``inject_hyperparams`` array) is
-    copied. With
+    copied. NumPy arrays and scalars of any dtype (an index buffer, a mask)
+    become jax arrays of their own, so writing into the caller's NumPy arrays
+    afterwards changes neither the state nor its next step. With
     ``master_dtype=jnp.float32`` (the default), floating leaves narrower than
     float32 (bf16, f16, f8) become float32, so the state holds full-precision
     master weights; float32, float64 and complex leaves keep their dtype. With
