@@ -96,7 +96,10 @@ def make_train_step(
   the policy (keep rules apply), and ``loss_fn`` returns ``(loss,
   new_model_state)``, or ``(loss, (new_model_state, aux))`` with
   ``has_aux``. The new model state is stored in the state's dtypes, except on
-  a skipped step, where the old one is kept bit for bit.
+  a skipped step, where the old one is kept bit for bit. Its static leaves
+  (an Equinox EMA model's activation functions, a module's ``float`` field,
+  a string tag) are kept as the very same objects, as the params' are;
+  ``loss_fn`` must return them unchanged.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a float scalar, or
