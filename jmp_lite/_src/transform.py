@@ -18,6 +18,13 @@ from jmp_lite._src import skip
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _F32_MAX = float(np.finfo(np.float32).max)
 
+_NO_COUNTER_MSG = (
+    "skipped_steps_of found no loss-scaling state in opt_state (of type {what}), "
+    "so no skipped steps were counted: the train step skips non-finite steps of a plain "
+    "optax tx without recording them. Wrap the optimizer in "
+    "jmp_lite.static_loss_scaling(tx, 1.0) (no scaling, with a skip counter), or read "
+    "metrics[\"grads_finite\"] each step"
+)
 _OUTERMOST_MSG = (
     "{what}. Put the loss scaling outermost, wrapping everything else: "
     "tx = jmp.dynamic_loss_scaling(optax.chain(...)) (or "
@@ -394,13 +401,16 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState | None:
 
 
 def loss_scale_of(opt_state: Any) -> jax.Array:
-  """The current loss scale found anywhere inside ``opt_state``.
+  """The current loss scale found anywhere inside ``opt_state``; ``1.0`` means no scaling.
 
   Searches nested states (``optax.chain`` tuples, ``inject_hyperparams``,
   ``MultiSteps``, a ``TrainState``) for the first :class:`LossScaleState`.
+  An optimizer without a loss-scaling transformation scales the loss by 1,
+  so its scale is ``1.0``: the value the train step multiplies the loss by
+  and reports as ``metrics["loss_scale"]``.
 
   Returns:
-    A float32 scalar; ``1.0`` if there is no loss-scaling state.
+    A float32 scalar; ``1.0`` if there is no loss-scaling state (no scaling).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -415,10 +425,18 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
 
 
 def skipped_steps_of(opt_state: Any) -> jax.Array:
-  """Total skipped steps recorded inside ``opt_state`` (int32; 0 if none).
+  """Total skipped steps recorded inside ``opt_state`` (int32).
 
   Searches nested states like :func:`loss_scale_of`. The count saturates at
-  ``2**31 - 1`` instead of wrapping.
+  ``2**31 - 1`` instead of wrapping. Only a loss-scaling transformation
+  counts skipped steps: the train step still skips non-finite steps of a
+  plain optax ``tx``, but records them nowhere, so an ``opt_state`` without
+  a :class:`LossScaleState` is refused rather than reported as 0.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no :class:`LossScaleState`; wrap the
+      optimizer in ``static_loss_scaling(tx, 1.0)`` (no scaling, a skip
+      counter) or read ``metrics["grads_finite"]`` per step.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -431,5 +449,5 @@ def skipped_steps_of(opt_state: Any) -> jax.Array:
   """
   state = find_loss_scale_state(opt_state)
   if state is None:
-    return jnp.zeros((), jnp.int32)
+    raise ValueError(_NO_COUNTER_MSG.format(what=checks.type_name(opt_state)))
   return state.skipped_steps
