@@ -405,9 +405,7 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
 
   Searches nested states (``optax.chain`` tuples, ``inject_hyperparams``,
   ``MultiSteps``, a ``TrainState``) for the first :class:`LossScaleState`.
-  An optimizer without a loss-scaling transformation scales the loss by 1,
-  so its scale is ``1.0``: the value the train step multiplies the loss by
-  and reports as ``metrics["loss_scale"]``.
+  Without one the loss is not scaled: the step multiplies it by ``1.0``.
 
   Returns:
     A float32 scalar; ``1.0`` if there is no loss-scaling state (no scaling).
@@ -428,15 +426,13 @@ def skipped_steps_of(opt_state: Any) -> jax.Array:
   """Total skipped steps recorded inside ``opt_state`` (int32).
 
   Searches nested states like :func:`loss_scale_of`. The count saturates at
-  ``2**31 - 1`` instead of wrapping. Only a loss-scaling transformation
-  counts skipped steps: the train step still skips non-finite steps of a
-  plain optax ``tx``, but records them nowhere, so an ``opt_state`` without
-  a :class:`LossScaleState` is refused rather than reported as 0.
+  ``2**31 - 1`` instead of wrapping. The step skips non-finite steps of a
+  plain optax ``tx`` too, but only a loss-scaling transformation counts them.
 
   Raises:
-    ValueError: if ``opt_state`` holds no :class:`LossScaleState`; wrap the
-      optimizer in ``static_loss_scaling(tx, 1.0)`` (no scaling, a skip
-      counter) or read ``metrics["grads_finite"]`` per step.
+    ValueError: if ``opt_state`` holds no :class:`LossScaleState` (nothing
+      counted): wrap the optimizer in ``static_loss_scaling(tx, 1.0)``, or
+      read ``metrics["grads_finite"]`` per step.
 
   Examples:
     >>> import jax.numpy as jnp, optax
