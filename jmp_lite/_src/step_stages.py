@@ -133,13 +133,18 @@ def cast_inputs(config: StepConfig, state: TrainState, batch: Any) -> Inputs:
     >>> inputs.batch["x"].dtype  # batch_policy=None: passed as it is.
     dtype('float32')
   """
+  return cast_parts(config, state.params, state.model_state, batch)
+
+
+def cast_parts(config: StepConfig, params: Any, model_state: Any, batch: Any) -> Inputs:
+  """:func:`cast_inputs` for params, model state and batch given apart (``make_eval_step``)."""
   if config.batch_policy is not None:
     batch = config.batch_policy.cast_to_compute(batch)
-  view = masters.float32_view(state.params)  # float32 masters: as they are
+  view = masters.float32_view(params)  # float32 masters: as they are
   # Model state (BatchNorm running statistics, counters) is state, not compute:
   # it stays in its stored dtype, as torch keeps buffers in float32 under autocast,
   # so that an update below half a float16 ulp is not lost.
-  return Inputs(trained_part(view), config.policy.cast_to_compute(view), state.model_state, batch)
+  return Inputs(trained_part(view), config.policy.cast_to_compute(view), model_state, batch)
 
 
 def warn_unmatched_keep_rules(config: StepConfig, state: TrainState, batch: Any) -> None:
