@@ -294,7 +294,10 @@ class TrainState:
   def __post_init__(self) -> None:
     # The static leaves (an Equinox module's functions, strings and Python
     # numbers) go to the aux data, once, here: see _flatten_with_keys.
-    object.__setattr__(self, "_hollow", {f: filtering.hollow(getattr(self, f)) for f in _HOLLOWED})
+    hollow = {f: filtering.hollow(getattr(self, f)) for f in _HOLLOWED}
+    children = tuple(hollow[f][0] if f in hollow else getattr(self, f) for f in _CHILDREN)
+    specs = tuple(hollow[f][1] for f in _HOLLOWED)
+    self.__dict__["_tree"] = (children, (specs, tuple(getattr(self, f) for f in _META)))
 
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
@@ -307,7 +310,7 @@ _META = tuple(f.name for f in dataclasses.fields(TrainState) if f.metadata.get("
 _HOLLOWED = ("params", "opt_state", "model_state")
 
 
-def _flatten(state: TrainState) -> tuple[list[Any], Any]:
+def _flatten(state: TrainState) -> tuple[tuple[Any, ...], Any]:
   """Children: the array fields, with static leaves as ``None`` holes; aux: the rest.
 
   The static leaves are split off when the state is built, never when it is
@@ -315,12 +318,11 @@ def _flatten(state: TrainState) -> tuple[list[Any], Any]:
   orbax ``SaveArgs``, a sharding, a bool) round-trips unchanged, while
   ``jax.tree.leaves(state)``, checkpoints and ``jax.eval_shape`` see arrays
   only. A static leaf that changes is a new tree structure, so ``jax.jit``
-  retraces, as ``eqx.filter_jit`` does.
+  retraces, as ``eqx.filter_jit`` does. Both halves are computed once, when
+  the state is built, so flattening it (every call of a jitted step) is one
+  attribute read.
   """
-  hollow = state._hollow  # type: ignore[attr-defined]
-  children = [hollow[f][0] if f in hollow else getattr(state, f) for f in _CHILDREN]
-  specs = tuple(hollow[f][1] for f in _HOLLOWED)
-  return children, (specs, tuple(getattr(state, f) for f in _META))
+  return state.__dict__["_tree"]
 
 
 def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
@@ -328,16 +330,20 @@ def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
   return [(jax.tree_util.GetAttrKey(f), c) for f, c in zip(_CHILDREN, children)], aux
 
 
+_NO_SPECS = (None,) * len(_HOLLOWED)
+_FIELDS = _CHILDREN + _META
+
+
 def _unflatten(aux: Any, children: Any) -> TrainState:
+  """The state :func:`_flatten` split; the aux data is kept as it is (the same object)."""
   specs, meta = aux
   state = object.__new__(TrainState)
-  values = dict(zip(_CHILDREN, children))
-  hollow = {f: (values[f], spec) for f, spec in zip(_HOLLOWED, specs)}
-  for f, spec in zip(_HOLLOWED, specs):
-    values[f] = filtering.fill(values[f], spec)
-  for f, value in list(values.items()) + list(zip(_META, meta)):
-    object.__setattr__(state, f, value)
-  object.__setattr__(state, "_hollow", hollow)
+  values = state.__dict__
+  values.update(zip(_FIELDS, (*children, *meta)))
+  if specs != _NO_SPECS:
+    for f, spec in zip(_HOLLOWED, specs):
+      values[f] = filtering.fill(values[f], spec)
+  values["_tree"] = (tuple(children), aux)
   return state
 
 
