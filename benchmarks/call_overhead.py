@@ -9,7 +9,10 @@ side of the call, jax's dispatch, one buffer per output. Every variant trains
 the same model on the same batch with the same optimizer, donates its state,
 and is warmed up before timing. Each sample times ``inner`` consecutive calls
 followed by ``block_until_ready``; the variants of a model are sampled
-interleaved (their order rotates each repeat); times are medians.
+interleaved (their order rotates each repeat); times are medians. Next to
+the wall time per call, the report gives the calling thread's CPU time per
+call (``time.thread_time``), which other processes on a shared machine
+disturb less.
 
 Models and variants:
 
@@ -51,6 +54,7 @@ from flax.training import train_state
 
 from benchmarks import bars as bars_lib
 from benchmarks import cli
+from benchmarks import measure
 from benchmarks import report
 import jmp_lite as jmp
 
@@ -198,28 +202,31 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
   states = {name: state for name, (_, state) in live.items()}
   losses: dict[str, list[float]] = {name: [] for name in live}
 
-  def sample(name: str, calls: int) -> float:
+  def sample(name: str, calls: int) -> tuple[float, float]:
     fn, state = live[name][0], states[name]
-    start = time.perf_counter()
+    start, thread_start = time.perf_counter(), time.thread_time()
     for _ in range(calls):
       state, loss = fn(state, batch)
     jax.block_until_ready(state)
-    elapsed = time.perf_counter() - start
+    elapsed, thread = time.perf_counter() - start, time.thread_time() - thread_start
     states[name] = state
     losses[name].append(float(loss))
-    return elapsed / calls
+    return elapsed / calls, thread / calls
 
   for name in live:
     for _ in range(args.warmup):
       sample(name, 1)
-  first = min(sample(name, 1) for name in live)
+  first = min(sample(name, 1)[0] for name in live)
   inner = max(1, min(2000, int(args.sample_seconds / max(first, 1e-6))))
   times: dict[str, list[float]] = {name: [] for name in live}
+  threads: dict[str, list[float]] = {name: [] for name in live}
   names = list(live)
   for r in range(args.repeats):
     k = r % len(names)
     for name in names[k:] + names[:k]:
-      times[name].append(sample(name, inner))
+      wall, thread = sample(name, inner)
+      times[name].append(wall)
+      threads[name].append(thread)
   per_call = {n: statistics.median(t) for n, t in times.items()}
   # The variants train the same model from the same start: their losses must agree.
   ref = np.asarray(losses[names[0]])
@@ -228,17 +235,31 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
   return dict(model=model, inner_calls_per_sample=inner, repeats=args.repeats,
               per_call_us={n: t * 1e6 for n, t in per_call.items()},
               samples_us={n: [x * 1e6 for x in t] for n, t in times.items()},
+              thread_us={n: statistics.median(t) * 1e6 for n, t in threads.items()},
               max_relative_loss_difference=loss_diff)
 
 
 def ratios_and_bars(results: list[dict[str, Any]], meaningful: bool) -> tuple[list[Any], list[Any]]:
-  """The reported ratios and the checked bars."""
-  by_model = {r["model"]: r["per_call_us"] for r in results}
-  reported = [dict(model=m, ratio=f"{a} / {b}", value=by_model[m][a] / by_model[m][b])
-              for _, a, b, m in REPORTED if m in by_model]
-  checked = [bars_lib.bar(name, f"{a} / {b} (per call)", by_model[m][a] / by_model[m][b], limit,
-                          meaningful, model=m)
-             for name, a, b, limit, m in BARS if m in by_model]
+  """The reported ratios and the checked bars: medians, with the paired median and the mins."""
+  by_model = {r["model"]: r for r in results}
+
+  def ratio(model: str, a: str, b: str) -> dict[str, float]:
+    samples = by_model[model].get("samples_us")
+    if samples is None:  # per-call medians only
+      return dict(median=by_model[model]["per_call_us"][a] / by_model[model]["per_call_us"][b])
+    return measure.compare(samples[a], samples[b])
+
+  reported = []
+  for _, a, b, m in REPORTED:
+    if m in by_model:
+      r = ratio(m, a, b)
+      reported.append(dict(model=m, ratio=f"{a} / {b}", value=r.pop("median"), **r))
+  checked = []
+  for name, a, b, limit, m in BARS:
+    if m in by_model:
+      r = ratio(m, a, b)
+      checked.append(bars_lib.bar(name, f"{a} / {b} (per call)", r.pop("median"), limit,
+                                  meaningful, model=m, **r))
   return reported, checked
 
 
@@ -255,11 +276,12 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"**{r['model']}**: {r['repeats']} interleaved repeats x "
               f"{r['inner_calls_per_sample']} calls; losses agree within "
               f"{r['max_relative_loss_difference']:.1e} (relative).", "",
-              "| variant | per call (us), median | min | max | vs first |", "|---|---|---|---|---|"]
+              "| variant | per call (us), median | min | max | vs first | calling thread's "
+              "CPU (us) |", "|---|---|---|---|---|---|"]
     for name, us in r["per_call_us"].items():
       samples = r["samples_us"][name]
       lines.append(f"| {name} | {us:.1f} | {min(samples):.1f} | {max(samples):.1f} | "
-                   f"{us / base:.3f} |")
+                   f"{us / base:.3f} | {r['thread_us'][name]:.1f} |")
     lines.append("")
   lines += ["| ratio | model | value |", "|---|---|---|"]
   lines += [f"| {x['ratio']} | {x['model']} | {x['value']:.3f} |" for x in result["reported"]]

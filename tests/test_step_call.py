@@ -167,3 +167,19 @@ def test_a_string_where_the_first_call_had_an_array_is_named():
   assert len(traces) == 1
   state, metrics = step(state, {"x": x, "scale": jnp.float32(1.0)})  # the first signature still runs
   assert int(state.step) == 2 and len(traces) == 1
+
+
+def test_lower_trace_and_eval_shape_check_their_arguments_as_a_call_does():
+  state, step, traces = _problem()
+  batch = {"x": jnp.array([3.0, 4.0]), "scale": 2.0}
+  state, _ = step(state, batch)
+  wide = {"x": jnp.ones(3), "scale": 2.0}  # a new shape: traces and compiles
+  bigger = state.replace(params={"w": jnp.ones(3)}, opt_state=optax.sgd(0.5).init({"w": jnp.ones(3)}))
+  shapes = step.eval_shape(bigger, wide)
+  assert shapes[0].params["w"].shape == (3,) and shapes[1]["loss"].dtype == jnp.float32
+  assert "stablehlo" in step.lower(bigger, wide).as_text() and step.trace(bigger, wide).jaxpr
+  for method in (step.eval_shape, step.lower, step.trace):
+    with pytest.raises(ValueError, match=r"batch\['scale'\] was 2.0 on the first call and is 3.0 now"):
+      method(state, {"x": batch["x"], "scale": 3.0})
+  state, metrics = step(state, batch)  # the first call's program, unchanged
+  assert float(metrics["loss"]) == (-2.0 * 3.0 - 2.0 * 4.0) * 2.0 and len(traces) == 2

@@ -14,6 +14,7 @@ waits for each call.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
@@ -158,38 +159,51 @@ class FilteredJit:
     rest, spec = filtering.partition(rest)
     return filtering.combine(self._jitted(first, rest, spec), self._out_specs[spec])
 
-  def lower(self, first: Any, rest: Any) -> Any:
-    return self._jitted.lower(first, *filtering.partition(rest))
+  def method(self, name: str, first: Any, rest: Any) -> Any:
+    """The jitted function's ``lower``, ``trace`` or ``eval_shape`` for these arguments."""
+    rest, spec = filtering.partition(rest)
+    out = getattr(self._jitted, name)(first, rest, spec)
+    return filtering.combine(out, self._out_specs[spec]) if name == "eval_shape" else out
+
+
+class _Retrace(Exception):
+  """Raised when jax traces the step again after its first call, before ``loss_fn`` runs."""
 
 
 class _SignatureError(ValueError):
-  """A changed tree structure or static batch leaf, found when the step retraced."""
+  """A tree structure or static batch leaf that differs from the first call's."""
+
+
+# The jax.jit methods that trace (TrainStep lets them trace, as a call that passed the checks).
+_TRACING_METHODS = ("lower", "trace", "eval_shape")
 
 
 class TrainStep:
   """The jitted step plus the checks that need Python: tree structures, donation.
 
-  A call costs what a call of the underlying ``jax.jit`` costs, plus a few
-  attribute reads: jax's C++ dispatch flattens the state and the batch (a
-  :class:`TrainState` flattens with one attribute read) and finds the
-  compiled program. The checks run where they cost nothing per call:
+  A call costs what a call of the underlying ``jax.jit`` costs, plus a type
+  check and one read of ``state.step``: jax's C++ dispatch flattens the state
+  and the batch (a :class:`TrainState` flattens with one attribute read) and
+  finds the compiled program. The checks run where they cost nothing per call:
 
   - A state already consumed by a donating step is refused before dispatch
-    (one read of ``state.step``).
+    (``state.step`` is deleted).
   - The first call records the params' and the batch's tree structures and
-    the batch's static leaves. Any other structure, a changed static leaf or
-    a Python number where the first call had an array changes what jax
-    compiles for, so jax traces the step again; the step checks the call's
-    arguments against the first call's when it is traced, before ``loss_fn``
-    runs, and refuses the change (:class:`_SignatureError`). A static leaf
-    jax cannot take (a string where the first call had an array) fails in
-    jax's argument handling, and is named the same way.
+    the batch's static leaves. Any other structure, a changed static leaf, a
+    Python number where the first call had an array, or a new shape changes
+    what jax compiles for, so jax traces the step again. That trace stops
+    before ``loss_fn`` runs (:class:`_Retrace`); the call then compares its
+    own arguments with the first call's, refuses a change with a
+    ``ValueError``, and lets a new shape or dtype trace and compile. A static
+    leaf jax cannot take (a string where the first call had an array) fails
+    in jax's argument handling, and is named the same way.
   - Other deleted or aliased input arrays are diagnosed only when the call
     fails.
 
   A batch with static leaves (a ``"split": "train"`` tag) goes through a
   :class:`FilteredJit` that keeps them static. Attribute access (``trace``,
-  ``eval_shape``, ...) goes to the underlying ``jax.jit`` object.
+  ``eval_shape``, ...) goes to the underlying ``jax.jit`` object; ``lower``,
+  ``trace`` and ``eval_shape`` check their arguments as a call does.
   """
 
   def __init__(self, step: Callable[..., Any], donate: bool):
@@ -200,49 +214,58 @@ class TrainStep:
     self._signature: _Signature | None = None
     self._target: Any = None
     self._block = False
-    # The arguments of the call in progress, for the check at trace time
-    # (per thread: a trace runs in its caller's thread).
-    self._call = threading.local()
+    # Set (per thread: a trace runs in its caller's thread) while a call
+    # whose arguments passed the checks may trace.
+    self._tracing = threading.local()
     self.__wrapped__ = self._jitted
 
   def _traced(self, state: TrainState, batch: Any) -> Any:
-    """The step as jax traces it (once per compilation), after the structure check."""
-    args = getattr(self._call, "args", None)
-    if self._signature is not None and args is not None:
-      problem = _signature_problem(self._signature, _signature(*args), args[1])
-      if problem is not None:
-        raise _SignatureError(problem)
+    """The step as jax traces it: a trace after the first call waits for the checks."""
+    if self._signature is not None and not getattr(self._tracing, "allowed", False):
+      raise _Retrace()
     return self._step(state, batch)
 
   def _choose(self, batch: Any) -> Any:
     return self._filtered if filtering.has_static(batch) else self._jitted
 
+  def _checked(self, method: Callable[..., Any], state: Any, batch: Any) -> Any:
+    """``method(state, batch)`` allowed to trace, once the arguments passed the checks."""
+    if self._signature is not None:
+      problem = _signature_problem(self._signature, _signature(state, batch), batch)
+      if problem is not None:
+        raise _SignatureError(problem)
+    self._tracing.allowed = True
+    try:
+      return method(state, batch)
+    finally:
+      self._tracing.allowed = False
+
+  def _method(self, name: str, state: Any, batch: Any) -> Any:
+    """``jax.jit(...).<name>`` (``lower``, ``trace``, ``eval_shape``) for these arguments."""
+    target = self._target or self._choose(batch)
+    if target is self._filtered:
+      return self._checked(functools.partial(target.method, name), state, batch)
+    return self._checked(getattr(target, name), state, batch)
+
   def lower(self, state: TrainState, batch: Any) -> Any:
     """``jax.jit(...).lower`` for these arguments (static leaves included)."""
-    target = self._target or self._choose(batch)
-    self._call.args = (state, batch)
-    try:
-      return target.lower(state, batch)
-    finally:
-      self._call.args = None
+    return self._method("lower", state, batch)
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     if not isinstance(state, TrainState):
       raise TypeError(_not_a_state_message(state))
-    _check_not_donated(state, batch)
+    step = state.step
+    if type(step) not in _CONCRETE_ARRAY_TYPES or step.is_deleted():
+      _check_not_donated(state, batch)
     if self._signature is None:
       return self._first_call(state, batch)
-    call = self._call
-    call.args = (state, batch)
     try:
       out = self._target(state, batch)
-    except _SignatureError:
-      raise
+    except _Retrace:
+      out = self._explained(self._checked, self._target, state, batch)
     except (RuntimeError, ValueError, TypeError) as e:
       self._explain(state, batch, e)
       raise
-    finally:
-      call.args = None
     if self._block:
       jax.block_until_ready(out)
     return out
@@ -251,16 +274,22 @@ class TrainStep:
     """The first call: chooses the jit, and records the signature once the call succeeds."""
     target = self._choose(batch)
     signature = _signature(state, batch)
-    try:
-      out = target(state, batch)
-    except (RuntimeError, ValueError) as e:
-      self._explain(state, batch, e)
-      raise
+    out = self._explained(target, state, batch)
     self._signature, self._target = signature, target
     self._block = _multi_device_cpu((state, batch))
     if self._block:
       jax.block_until_ready(out)
     return out
+
+  def _explained(self, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, a failure explained by :meth:`_explain` (``args`` end in state, batch)."""
+    try:
+      return call(*args)
+    except _SignatureError:
+      raise
+    except (RuntimeError, ValueError, TypeError) as e:
+      self._explain(args[-2], args[-1], e)
+      raise
 
   def _explain(self, state: TrainState, batch: Any, error: Exception) -> None:
     """Raises a ValueError naming a changed signature or a donation problem behind ``error``."""
@@ -273,8 +302,10 @@ class TrainStep:
       raise ValueError(problem) from error
 
   def __getattr__(self, name: str) -> Any:
-    if name.startswith("__") or name in ("_jitted", "_filtered", "_call"):
+    if name.startswith("__") or name in ("_jitted", "_filtered", "_tracing"):
       raise AttributeError(name)
+    if name in _TRACING_METHODS:
+      return functools.partial(self._method, name)
     return getattr(self._jitted, name)
 
 
