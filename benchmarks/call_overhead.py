@@ -32,7 +32,7 @@ Models and variants:
 
 The bars (``tiny``): jmp_lite / jax_jit and jmp_lite_dls / jax_jit_dls (issue
 31's target: at most 1.15), and jmp_lite / jmp_same_jit, the Python side of
-the call alone (at most 1.05). The bilstm and vit ratios (jmp_lite / flax,
+the call alone (at most 1.10: a few microseconds). The bilstm and vit ratios (jmp_lite / flax,
 the new user's comparison) are reported, with the largest relative difference
 of their losses over the timed steps.
 """
@@ -64,7 +64,7 @@ MODELS = ("tiny", "bilstm", "vit")
 BARS = (
     ("vs_jax_jit", "jmp_lite", "jax_jit", 1.15, "tiny"),
     ("vs_jax_jit_dls", "jmp_lite_dls", "jax_jit_dls", 1.15, "tiny"),
-    ("python_side", "jmp_lite", "jmp_same_jit", 1.05, "tiny"),
+    ("python_side", "jmp_lite", "jmp_same_jit", 1.10, "tiny"),
 )
 REPORTED = (("vs_flax", "jmp_lite", "flax", "bilstm"), ("vs_flax", "jmp_lite", "flax", "vit"))
 
