@@ -32,6 +32,7 @@ from jmp_lite._src.policy import half_dtype
 from jmp_lite._src.precision_report import PrecisionReport
 from jmp_lite._src.precision_report import precision_report
 from jmp_lite._src.train_state import TrainState
+from jmp_lite._src.eval_step import make_eval_step
 from jmp_lite._src.step import make_train_step
 from jmp_lite._src.transform import LossScaleState
 from jmp_lite._src.transform import dynamic_loss_scaling
@@ -69,6 +70,7 @@ __all__ = (
     "gradient_report",
     "half_dtype",
     "loss_scale_of",
+    "make_eval_step",
     "make_train_step",
     "nonfinite_paths",
     "precision_lint",

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from benchmarks import autocast
+from benchmarks import call_overhead
 from benchmarks import bars as bars_lib
 from benchmarks import cpu_profile
 from benchmarks import kahan_limits
@@ -483,3 +484,40 @@ def test_kahan_limits_help_states_every_default(capsys):
   text = capsys.readouterr().out
   for flag, default in [("--weights", "4096"), ("--steps", "2000"), ("--seed", "0")]:
     assert flag in text and f"(default: {default})" in text
+
+
+# --- benchmarks.call_overhead (issue 31, item 5) -----------------------------------------
+
+
+def test_call_overhead_variants_train_the_tiny_model_alike():
+  args = call_overhead.build_parser().parse_args(["--smoke"])
+  args.repeats, args.sample_seconds = 2, 0.001
+  result = call_overhead.run_model("tiny", args)
+  assert set(result["per_call_us"]) == {
+      "jax_jit", "jmp_lite", "jmp_same_jit", "jax_jit_dls", "jmp_lite_dls"}
+  assert all(t > 0 for t in result["per_call_us"].values())
+  # The same model, batch and sgd from the same start: the same losses, call after call.
+  assert result["max_relative_loss_difference"] <= 1e-6
+
+
+def test_call_overhead_bars_are_the_ratios_of_per_call_times():
+  results = [dict(model="tiny", per_call_us=dict(jax_jit=20.0, jmp_lite=22.0, jmp_same_jit=21.0,
+                                                 jax_jit_dls=25.0, jmp_lite_dls=30.0)),
+             dict(model="vit", per_call_us=dict(flax=100.0, jmp_lite=103.0))]
+  reported, checked = call_overhead.ratios_and_bars(results, meaningful=True)
+  assert [(r["model"], r["value"]) for r in reported] == [("vit", 103.0 / 100.0)]
+  values = {b["bar"]: (b["value"], b["passed"]) for b in checked}
+  assert values == {"vs_jax_jit": (22.0 / 20.0, True), "vs_jax_jit_dls": (30.0 / 25.0, False),
+                    "python_side": (22.0 / 21.0, True)}
+
+
+@pytest.mark.slow
+def test_call_overhead_smoke(tmp_path):
+  proc, files, result = _smoke_result("benchmarks.call_overhead", tmp_path)
+  assert [r["model"] for r in result["results"]] == list(call_overhead.MODELS)
+  assert {b["bar"] for b in result["bars"]} == {"vs_jax_jit", "vs_jax_jit_dls", "python_side"}
+  assert all(not b["meaningful"] for b in result["bars"])
+  assert all(r["max_relative_loss_difference"] <= 1e-5 for r in result["results"])
+  md = files[1].read_text()
+  assert md in proc.stdout and "| jmp_lite / flax | bilstm |" in md
+  assert report.SMOKE_STATUS in proc.stdout

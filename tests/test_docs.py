@@ -16,7 +16,9 @@ those blocks must equal ``NOT_RUN`` below, so that nothing is skipped silently.
 
 from __future__ import annotations
 
+import ast
 import builtins
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -157,6 +159,47 @@ def _run_page(page: pathlib.Path, code: str, devices: bool, tmp_path: pathlib.Pa
   monkeypatch.setattr(tempfile, "tempdir", str(temp))
   namespace = {"__name__": "__docs__"}
   exec(compile(code, _rel(page), "exec"), namespace)
+
+
+def _extras() -> dict[str, set[str]]:
+  """``pyproject.toml``'s dependencies ("") and optional extras, as normalised names."""
+  text = (ROOT / "pyproject.toml").read_text()
+  lists = re.findall(r"^([\w-]+) = \[\n(.*?)^\]", text, re.S | re.M)
+  return {"" if name == "dependencies" else name:
+          {_normalise(re.match(r"[A-Za-z0-9_.-]+", req).group()) for req in
+           re.findall(r'^\s*"([^"]+)"', body, re.M)} for name, body in lists}
+
+
+def _normalise(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imported_modules(code: str) -> set[str]:
+  """The top-level modules that ``code`` imports."""
+  names = set()
+  for node in ast.walk(ast.parse(code)):
+    if isinstance(node, ast.Import):
+      names.update(alias.name.split(".")[0] for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      names.add(node.module.split(".")[0])
+  return names
+
+
+def test_the_readme_setup_installs_what_the_docs_and_examples_import():
+  # Issue 31 item 6: the guides imported equinox, which no set-up command installed.
+  setup = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+  extras = _extras()
+  local = {p.stem for p in (ROOT / "examples").glob("*.py")} | {"jmp_lite"}
+  sources = [code for page in PAGES for code, _, _ in _blocks(page)]
+  sources += [p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))]
+  modules = set().union(*map(_imported_modules, sources)) - set(sys.stdlib_module_names) - local
+  distributions = importlib.metadata.packages_distributions()
+  for extra in ("examples", "test"):
+    assert f"'.[{extra}]'" in setup, f"the README's set-up installs no '.[{extra}]'"
+    installed = extras[""] | extras[extra]
+    missing = sorted(m for m in modules
+                     if not {_normalise(d) for d in distributions[m]} & installed)
+    assert not missing, f"'.[{extra}]' does not install {missing}, which the docs or examples import"
 
 
 def test_every_public_name_is_in_the_api_reference():

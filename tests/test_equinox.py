@@ -169,3 +169,70 @@ def test_python_numbers_in_a_plain_dict_are_trained_arrays():
                              jmp.get_policy("mixed_bfloat16"))
   state, _ = step(state, jnp.ones(2))
   np.testing.assert_allclose(float(state.params["b"]), 0.5 - 0.1 * 3.0, rtol=1e-6)
+
+
+class _RunningMean(eqx.Module):
+  """A model-state module with a Python float field, as Equinox layers hold them."""
+
+  mean: jax.Array
+  momentum: float
+
+
+@pytest.mark.parametrize("mode", list(POLICIES))
+def test_an_ema_model_and_python_fields_in_model_state_train(mode):
+  # Issue 31 item 2: an EMA copy of an eqx.nn.MLP (jax.nn.relu is a leaf) in the
+  # model state crashed the first step in the skip's lax.cond, and a float field
+  # of a module came back an array, so the step traced twice.
+  policy, make_tx = POLICIES[mode]
+  model, batch = _mlp_problem()
+  traces = []
+
+  def loss_fn(model, model_state, batch):
+    traces.append(1)
+    ema, running = model_state["ema"], model_state["running"]
+    new_ema = eqx.apply_updates(ema, jax.tree.map(
+        lambda e, p: 0.5 * (p.astype(jnp.float32) - e), eqx.filter(ema, eqx.is_array),
+        eqx.filter(model, eqx.is_array)))
+    pred = jax.vmap(model)(batch["x"]).astype(jnp.float32)
+    mean = running.momentum * running.mean + (1 - running.momentum) * jnp.mean(pred)
+    new_running = eqx.tree_at(lambda r: r.mean, running, mean)
+    loss = jnp.mean((pred - batch["y"]) ** 2) * batch["ok"]
+    return loss, {"ema": new_ema, "running": new_running, "tag": model_state["tag"]}
+
+  model_state = {"ema": model, "running": _RunningMean(jnp.zeros(()), 0.75), "tag": "ema"}
+  state = jmp.TrainState.create(params=model, tx=make_tx(), model_state=model_state)
+  step = jmp.make_train_step(loss_fn, policy)
+  for ok in (1.0, np.nan, 1.0):
+    before = np.asarray(state.model_state["ema"].layers[0].weight)
+    seen = np.asarray(state.params.layers[0].weight.astype(policy.compute_dtype), np.float32)
+    state, metrics = step(state, dict(batch, ok=jnp.float32(ok)))
+    after = np.asarray(state.model_state["ema"].layers[0].weight)
+    assert bool(metrics["grads_finite"]) == (ok == 1.0)
+    if ok == 1.0:  # loss_fn's EMA of the params it saw, stored in float32
+      np.testing.assert_allclose(after, before + 0.5 * (seen - before), rtol=1e-6)
+    else:  # kept bit for bit
+      np.testing.assert_array_equal(after, before)
+  ema, running = state.model_state["ema"], state.model_state["running"]
+  assert ema.activation is model.activation and ema.final_activation is model.final_activation
+  assert type(running.momentum) is float and running.momentum == 0.75
+  assert state.model_state["tag"] == "ema" and float(running.mean) != 0.0
+  assert len(traces) == 1 and step._cache_size() == 1
+
+
+def test_a_float_field_of_a_model_state_module_stays_a_python_float():
+  # Issue 31 item 2: the skip turned the field into an array, so the second step
+  # saw another tree structure and traced again.
+  traces = []
+
+  def loss_fn(params, running, x):
+    traces.append(1)
+    mean = running.momentum * running.mean + (1 - running.momentum) * jnp.mean(x)
+    return jnp.sum(params["w"] * x), eqx.tree_at(lambda r: r.mean, running, mean)
+
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                                model_state=_RunningMean(jnp.zeros(()), 0.5))
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"))
+  for _ in range(3):
+    state, _ = step(state, jnp.array([2.0, 6.0]))
+    assert type(state.model_state.momentum) is float
+  assert float(state.model_state.mean) == 3.5 and len(traces) == 1  # 0 -> 2 -> 3 -> 3.5

@@ -127,3 +127,59 @@ def test_the_step_dispatches_asynchronously_with_its_skip_metrics():
   total = time.perf_counter() - start
   assert int(metrics["consecutive_skips"]) == 0
   assert dispatched < 0.25 * total, (dispatched, total)
+
+
+def test_a_call_does_no_python_work_per_leaf(monkeypatch):
+  # Issue 31 item 5: the structure checks ran on the Python side of every call
+  # (flattening the params and the batch); they now run when jax retraces.
+  from jmp_lite._src import filtering
+  from jmp_lite._src import step_call
+
+  calls = []
+
+  def counting(name, original):
+    return lambda *args, **kwargs: (calls.append(name), original(*args, **kwargs))[1]
+
+  for module, name in ((step_call, "_signature"), (filtering, "partition"),
+                       (filtering, "hollow"), (jax.tree_util, "tree_flatten_with_path")):
+    monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+  state, _, _ = _problem()
+  step = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b["x"]), jmp.get_policy("f32"))
+  batch = {"x": jnp.array([3.0, 4.0])}
+  state, _ = step(state, batch)  # the first call records the signature
+  assert "_signature" in calls
+  calls.clear()
+  for _ in range(5):
+    state, metrics = step(state, batch)
+  assert calls == [] and int(state.step) == 6
+  assert float(metrics["loss"]) == (1.0 - 1.5 * 5) * 3.0 + (2.0 - 2.0 * 5) * 4.0  # sgd(0.5)
+
+
+def test_a_string_where_the_first_call_had_an_array_is_named():
+  state, step, traces = _problem()
+  x = jnp.array([3.0, 4.0])
+  state, _ = step(state, {"x": x, "scale": jnp.float32(2.0)})
+  expected = r"batch\['scale'\] was an array on the first call and is 'two' now"
+  with pytest.raises(ValueError, match=expected):
+    step(state, {"x": x, "scale": "two"})
+  with pytest.raises(ValueError, match=r"params tree changed structure"):
+    step(state.replace(params={"w": state.params["w"], "v": jnp.ones(2)}), {"x": x, "scale": 2.0})
+  assert len(traces) == 1
+  state, metrics = step(state, {"x": x, "scale": jnp.float32(1.0)})  # the first signature still runs
+  assert int(state.step) == 2 and len(traces) == 1
+
+
+def test_lower_trace_and_eval_shape_check_their_arguments_as_a_call_does():
+  state, step, traces = _problem()
+  batch = {"x": jnp.array([3.0, 4.0]), "scale": 2.0}
+  state, _ = step(state, batch)
+  wide = {"x": jnp.ones(3), "scale": 2.0}  # a new shape: traces and compiles
+  bigger = state.replace(params={"w": jnp.ones(3)}, opt_state=optax.sgd(0.5).init({"w": jnp.ones(3)}))
+  shapes = step.eval_shape(bigger, wide)
+  assert shapes[0].params["w"].shape == (3,) and shapes[1]["loss"].dtype == jnp.float32
+  assert "stablehlo" in step.lower(bigger, wide).as_text() and step.trace(bigger, wide).jaxpr
+  for method in (step.eval_shape, step.lower, step.trace):
+    with pytest.raises(ValueError, match=r"batch\['scale'\] was 2.0 on the first call and is 3.0 now"):
+      method(state, {"x": batch["x"], "scale": 3.0})
+  state, metrics = step(state, batch)  # the first call's program, unchanged
+  assert float(metrics["loss"]) == (-2.0 * 3.0 - 2.0 * 4.0) * 2.0 and len(traces) == 2

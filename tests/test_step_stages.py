@@ -156,7 +156,11 @@ def test_guarded_update_and_write_back(make_tx, bad):
     scaler = isinstance(state.opt_state, jmp.LossScaleState)
     inner = [s.inner_state if scaler else s for s in (new.opt_state, state.opt_state)]
     assert_bitwise_equal(*inner)  # Only the scaler's skip counter moves.
-    assert int(jmp.skipped_steps_of(new.opt_state)) == int(scaler)
+    if scaler:
+      assert int(jmp.skipped_steps_of(new.opt_state)) == 1
+    else:  # A plain tx counts nothing, and says so.
+      with pytest.raises(ValueError, match="found no loss-scaling state"):
+        jmp.skipped_steps_of(new.opt_state)
   else:
     assert new.params["w"].tolist() == [1.0 - 1.0, -2.0 - 2.0, 0.5 + 4.0]
     assert float(new.params["b"]) == 0.25 - 0.5
@@ -278,3 +282,32 @@ def test_consecutive_skips_counts_the_current_run_as_a_device_array():
   plain = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b), jmp.get_policy("mixed_bfloat16"))
   _, metrics = plain(jmp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1)), good)
   assert "consecutive_skips" not in metrics  # no loss-scaling state, nothing to count
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_next_model_state_keeps_static_leaves_as_they_are(finite, maybe_jit):
+  # Issue 31 item 2: a function and a string tag in the model state went through
+  # the skip's lax.cond ("not a valid JAX type").
+  state = _state(model_state={"mean": jnp.array([1.5, 2.5]), "act": jax.nn.relu, "tag": "ema"})
+
+  def store(state, mean, finite):
+    new = {"mean": mean, "act": jax.nn.relu, "tag": "ema"}
+    # In a TrainState, as the step returns it (a jit output holds no function).
+    return state.replace(model_state=stages.next_model_state(state, new, finite))
+
+  out = maybe_jit(store)(state, jnp.array([3.0, 4.0]), jnp.asarray(finite)).model_state
+  assert out["act"] is jax.nn.relu and out["tag"] == "ema"
+  assert out["mean"].tolist() == ([3.0, 4.0] if finite else [1.5, 2.5])
+
+
+@pytest.mark.parametrize("returned, got", [
+    ("eval", r"'eval'"),
+    (jnp.float32(0.5), r"float32\[\]"),
+    (jax.nn.gelu, r"<.*gelu.*>"),
+], ids=["string", "array", "function"])
+def test_a_changed_static_model_state_leaf_is_named(returned, got):
+  state = _state(model_state={"mean": jnp.ones(2), "tag": "train"})
+  expected = (rf"loss_fn returned model state leaf 'tag' as {got}, but the state holds it as "
+              r"the static \(non-array\) value 'train'\..*Return the state's own value")
+  with pytest.raises(TypeError, match=expected):
+    stages.next_model_state(state, {"mean": jnp.ones(2), "tag": returned}, jnp.asarray(True))

@@ -513,6 +513,30 @@ def test_caller_arrays_survive_donating_steps():
   np.testing.assert_array_equal(params["w1"], classifier_params()["w1"])
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_state_owns_the_callers_numpy_int_and_bool_arrays(donate):
+  # Issue 31 item 1: an index buffer, a mask and a counter that the caller (a
+  # data pipeline) writes into after TrainState.create must not change the state.
+  idx, mask, count = np.array([0, 2], np.int32), np.array([True, False]), np.int32(5)
+
+  def loss_fn(params, model_state, batch):
+    picked = jnp.where(model_state["mask"], params["w"][params["idx"]], 0.0)
+    return jnp.sum(picked * batch), {"mask": model_state["mask"], "count": model_state["count"] + 1}
+
+  state = jmp.TrainState.create(params={"w": jnp.array([1.0, 2.0, 3.0]), "idx": idx},
+                                tx=optax.sgd(0.5), model_state={"mask": mask, "count": count})
+  for leaf in (state.params["idx"], state.model_state["mask"], state.model_state["count"]):
+    assert isinstance(leaf, jax.Array)
+  idx[:] = [1, 1]
+  mask[:] = [False, True]
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"), donate=donate)
+  state, metrics = step(state, jnp.float32(2.0))
+  assert float(metrics["loss"]) == 2.0  # w[0] * 2, with the index and mask as they were given
+  assert state.params["w"].tolist() == [0.0, 2.0, 3.0]
+  assert state.params["idx"].tolist() == [0, 2] and state.model_state["mask"].tolist() == [True, False]
+  assert int(state.model_state["count"]) == 6 and state.model_state["count"].dtype == jnp.int32
+
+
 @pytest.mark.parametrize("make_tx", [
     optax.contrib.prodigy, optax.contrib.cocob, lambda: optax.contrib.mechanize(optax.sgd(0.1)),
 ], ids=["prodigy", "cocob", "mechanize"])

@@ -569,6 +569,28 @@ def test_multisteps_inside_drops_a_poisoned_micro_batch(maybe_jit):
 # ----------------------------------------------------------- loss_scale_of & co
 
 
+@pytest.mark.parametrize("where", ["opt_state", "TrainState"])
+def test_skipped_steps_of_refuses_a_state_without_a_scaler(where, maybe_jit):
+  # Issue 31 item 4: it returned 0 after skipped steps of a plain optax tx.
+  state = jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  step = jmp.make_train_step(lambda p, x: jnp.sum(p["w"] * x), jmp.get_policy("f32"))
+  state, metrics = step(state, jnp.array([1.0, jnp.nan]))
+  assert not bool(metrics["grads_finite"])  # skipped, and counted nowhere
+  expected = (r"skipped_steps_of found no loss-scaling state in opt_state \(of type .*\), so no "
+              r"skipped steps were counted.*static_loss_scaling\(tx, 1\.0\).*"
+              r'metrics\["grads_finite"\]')
+  with pytest.raises(ValueError, match=expected):
+    maybe_jit(jmp.skipped_steps_of)(state if where == "TrainState" else state.opt_state)
+  # loss_scale_of's 1.0 is documented as "no scaling": the scale the step used.
+  assert float(maybe_jit(jmp.loss_scale_of)(state.opt_state)) == float(metrics["loss_scale"]) == 1.0
+  # The fix the message names counts the skip, and changes nothing else.
+  counted = jmp.TrainState.create(params={"w": jnp.ones(2)},
+                                  tx=jmp.static_loss_scaling(optax.sgd(0.1), 1.0))
+  counted, _ = step(counted, jnp.array([1.0, jnp.nan]))
+  assert int(maybe_jit(jmp.skipped_steps_of)(counted.opt_state)) == 1
+  assert counted.params["w"].tolist() == state.params["w"].tolist() == [1.0, 1.0]
+
+
 def _scaled(init_scale=8.0):
   return jmp.dynamic_loss_scaling(optax.sgd(0.1), init_scale=init_scale)
 
@@ -621,10 +643,11 @@ def test_loss_scale_of_finds_nested_state(make_tx, scale_after_skip, maybe_jit):
     "opt_state", [None, (), optax.adam(1e-3).init({"w": jnp.ones(2)}), {"a": jnp.ones(2)}]
 )
 def test_loss_scale_of_without_loss_scaling_is_one(opt_state):
-  scale, skipped = jmp.loss_scale_of(opt_state), jmp.skipped_steps_of(opt_state)
+  scale = jmp.loss_scale_of(opt_state)
   assert (float(scale), scale.dtype, scale.shape) == (1.0, jnp.float32, ())
-  assert (int(skipped), skipped.dtype, skipped.shape) == (0, jnp.int32, ())
   assert transform.find_loss_scale_state(opt_state) is None
+  with pytest.raises(ValueError, match=r"found no loss-scaling state .*static_loss_scaling"):
+    jmp.skipped_steps_of(opt_state)  # No counter: not a 0 (issue 31 item 4).
 
 
 # ------------------------------------------------------------------------ static

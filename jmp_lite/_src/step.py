@@ -96,7 +96,10 @@ def make_train_step(
   the policy (keep rules apply), and ``loss_fn`` returns ``(loss,
   new_model_state)``, or ``(loss, (new_model_state, aux))`` with
   ``has_aux``. The new model state is stored in the state's dtypes, except on
-  a skipped step, where the old one is kept bit for bit.
+  a skipped step, where the old one is kept bit for bit. Its static leaves
+  (an Equinox EMA model's activation functions, a module's ``float`` field,
+  a string tag) are kept as the very same objects, as the params' are;
+  ``loss_fn`` must return them unchanged.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a float scalar, or
@@ -182,21 +185,14 @@ def make_train_step(
     >>> metrics["loss"].dtype, bool(metrics["grads_finite"]), int(state.step)
     (dtype('float32'), True, 1)
   """
-  if not isinstance(policy, policy_lib.Policy):
-    raise TypeError(f"policy must be a jmp_lite.Policy, got {policy!r}")
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  check_fn_and_policy("loss_fn", loss_fn, policy)
   has_aux = checks.boolean("has_aux", has_aux)
   donate = checks.boolean("donate", donate)
   track_nonfinite = checks.boolean("track_nonfinite", track_nonfinite)
   cast_batch = checks.boolean("cast_batch", cast_batch)
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
-  recipe = as_recipe(fp8)
-  if checks.boolean("autocast", autocast):
-    loss_fn = autocast_lib.step_autocast(loss_fn, policy.compute_dtype, recipe)
-  elif recipe is not None:
-    raise ValueError(f"fp8={fp8!r} needs autocast=True: the FP8 matmuls are autocast's")
+  loss_fn = under_autocast(loss_fn, policy, autocast, fp8)
   if extra_args is not None and not callable(extra_args):
     raise TypeError(f"extra_args must be a callable (loss, aux, batch) -> dict, got {extra_args!r}")
   batch_policy = policy_lib.Policy(
@@ -221,3 +217,29 @@ def make_train_step(
     return new_state, {**metrics, **stages.skip_metrics(opt_state)}
 
   return TrainStep(step, donate)
+
+
+def check_fn_and_policy(name: str, fn: Any, policy: Any) -> None:
+  """Refuses a ``policy`` that is not a :class:`Policy` and an ``fn`` that is not callable."""
+  if not isinstance(policy, policy_lib.Policy):
+    raise TypeError(f"policy must be a jmp_lite.Policy, got {policy!r}")
+  if not callable(fn):
+    raise TypeError(f"{name} must be callable, got {fn!r}")
+
+
+def under_autocast(
+    fn: Callable[..., Any], policy: policy_lib.Policy, autocast: Any, fp8: Any
+) -> Callable[..., Any]:
+  """``fn`` as the step runs it: under :func:`autocast` (with FP8 matmuls) if asked.
+
+  Raises:
+    TypeError: if ``autocast`` is not a bool or ``fp8`` not a bool or recipe.
+    ValueError: if ``fp8`` is set without ``autocast``, or ``autocast`` with
+      a float32 compute dtype.
+  """
+  recipe = as_recipe(fp8)
+  if checks.boolean("autocast", autocast):
+    return autocast_lib.step_autocast(fn, policy.compute_dtype, recipe)
+  if recipe is not None:
+    raise ValueError(f"fp8={fp8!r} needs autocast=True: the FP8 matmuls are autocast's")
+  return fn

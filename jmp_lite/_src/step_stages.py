@@ -29,6 +29,7 @@ from jmp_lite._src import filtering
 from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import skip
+from jmp_lite._src import step_model_state
 from jmp_lite._src import transform
 from jmp_lite._src import tree_utils
 from jmp_lite._src.train_state import TrainState
@@ -41,11 +42,6 @@ _STATE_MSG = (
     "state.model_state is set, so loss_fn(params, model_state, batch) must return "
     "(loss, new_model_state), or (loss, (new_model_state, aux)) with has_aux=True; "
     "{what} was {got}"
-)
-_STORE_MSG = (
-    "loss_fn returned model state leaf {path!r} as {got}, which cannot be stored "
-    "in its state's {stored} (integer and bool leaves are cast from other integer "
-    "or bool dtypes; shapes, PRNG keys and floats in an integer leaf must match)"
 )
 _STATE_ARITY_MSG = (
     "the state has a model_state, so the step calls loss_fn(params, model_state, "
@@ -137,13 +133,18 @@ def cast_inputs(config: StepConfig, state: TrainState, batch: Any) -> Inputs:
     >>> inputs.batch["x"].dtype  # batch_policy=None: passed as it is.
     dtype('float32')
   """
+  return cast_parts(config, state.params, state.model_state, batch)
+
+
+def cast_parts(config: StepConfig, params: Any, model_state: Any, batch: Any) -> Inputs:
+  """:func:`cast_inputs` for params, model state and batch given apart (``make_eval_step``)."""
   if config.batch_policy is not None:
     batch = config.batch_policy.cast_to_compute(batch)
-  view = masters.float32_view(state.params)  # float32 masters: as they are
+  view = masters.float32_view(params)  # float32 masters: as they are
   # Model state (BatchNorm running statistics, counters) is state, not compute:
   # it stays in its stored dtype, as torch keeps buffers in float32 under autocast,
   # so that an update below half a float16 ulp is not lost.
-  return Inputs(trained_part(view), config.policy.cast_to_compute(view), state.model_state, batch)
+  return Inputs(trained_part(view), config.policy.cast_to_compute(view), model_state, batch)
 
 
 def warn_unmatched_keep_rules(config: StepConfig, state: TrainState, batch: Any) -> None:
@@ -245,14 +246,21 @@ def write_back(state: TrainState, guard: skip.Guarded, opt_state: optax.OptState
 def next_model_state(state: TrainState, new: Any, finite: jax.Array) -> Any:
   """``loss_fn``'s new model state in the stored dtypes, the old one if skipped (stage 5).
 
+  Static leaves (an Equinox EMA model's activation function, a ``float``
+  field, a string tag) are kept as the very same objects; see
+  :func:`step_model_state.stored` for what may be stored.
+
   Raises:
-    TypeError: if ``new`` has another tree structure than ``state.model_state``.
+    TypeError: if ``new`` has another tree structure than ``state.model_state``,
+      a leaf that cannot be stored in its dtype or a static leaf that changed.
   """
   if state.model_state is None:
     return None
-  new = _stored_like(new, state.model_state)
-  new = _other_leaves_stored_like(new, state.model_state)
-  return skip.either(finite, lambda old: new, lambda old: old, state.model_state)
+  traced, spec = step_model_state.stored(new, state.model_state)
+  # Only the arrays go through the skip; static leaves are the state's own.
+  kept = skip.either(finite, lambda old: traced, lambda old: old,
+                     filtering.partition(state.model_state)[0])
+  return filtering.combine(kept, spec)
 
 
 def step_metrics(
@@ -345,49 +353,6 @@ def _split_aux(
       raise TypeError(_STATE_MSG.format(what=what, got=got))
     raise TypeError(_AUX_MSG.format(what=got))
   return out[0], out[1]
-
-
-def _stored_like(new: Any, old: Any) -> Any:
-  """``loss_fn``'s new model state in the stored dtypes; its structure must not change."""
-  structure: Any = jax.tree.structure(new)  # Any: mypy cannot compare jaxlib's PyTreeDef.
-  if structure != jax.tree.structure(old):
-    raise TypeError(
-        "loss_fn returned a model state of another structure than state.model_state:\n"
-        f"  expected: {jax.tree.structure(old)}\n  received: {jax.tree.structure(new)}"
-    )
-  return jax.tree.map(
-      lambda n, o: jnp.asarray(n).astype(o.dtype) if tree_utils.is_inexact_array(o) else n,
-      new, old)
-
-
-def _other_leaves_stored_like(new: Any, old: Any) -> Any:
-  """Integer and bool leaves of the new model state in their stored dtypes.
-
-  An NNX-style ``uint32`` counter that ``loss_fn`` returns as ``int32`` is
-  stored back as ``uint32``, as floating leaves are stored in theirs (the
-  skip's :func:`skip.either` needs the old and the new state to have one type). A
-  leaf that cannot be stored so (another shape, a float for an integer, a
-  PRNG key for a number or the reverse) is a ``TypeError`` naming its path.
-  """
-
-  def store(path: tree_utils.KeyPath, n: Any, o: Any) -> Any:
-    if not filtering.is_traced(o) or tree_utils.is_inexact_array(o):
-      return n
-    n = jnp.asarray(n) if isinstance(n, (bool, int, float, complex)) else n
-    if filtering.is_traced(n) and n.shape == o.shape:
-      if n.dtype == o.dtype:
-        return n
-      if _is_integer_or_bool(n.dtype) and _is_integer_or_bool(o.dtype):
-        return n.astype(o.dtype)
-    got = f"{getattr(n, 'dtype', type(n).__name__)}{list(getattr(n, 'shape', ()))}"
-    raise TypeError(_STORE_MSG.format(
-        path=tree_utils.path_str(path), got=got, stored=f"{o.dtype}{list(o.shape)}"))
-
-  return jax.tree_util.tree_map_with_path(store, new, old)
-
-
-def _is_integer_or_bool(dtype: Any) -> bool:
-  return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
 
 
 def _bind_axis_name(fn: Callable[..., Any], axis_name: str) -> Callable[..., Any]:

@@ -41,7 +41,9 @@ def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
     if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
       return _own_key(x)
     return jnp.array(x, dtype=x.dtype, copy=True)
-  if tree_utils.is_inexact_array(x):  # NumPy floating: a jax array, as before.
+  if isinstance(x, (np.ndarray, np.generic)):
+    # NumPy arrays are mutable and shared with the caller (an index buffer, a
+    # mask reused by a data pipeline): the state holds a jax copy instead.
     return jnp.array(x, copy=True)
   return x
 
@@ -91,6 +93,8 @@ def _init_owned(tx: optax.GradientTransformation, params: optax.Params) -> optax
   seen: set[int] = set()
 
   def own(x: Any) -> Any:
+    if isinstance(x, (np.ndarray, np.generic)):
+      return jnp.array(x, copy=True)
     if not isinstance(x, jax.Array):
       return x
     if id(x) in existing or id(x) in seen:
@@ -202,7 +206,9 @@ class TrainState:
     step only ever deletes the state's arrays, never the caller's. That holds
     for ``tx.init``'s output too: a leaf it shares with the params (prodigy's
     initial params) or with the caller (an ``inject_hyperparams`` array) is
-    copied. With
+    copied. NumPy arrays and scalars of any dtype (an index buffer, a mask)
+    become jax arrays of their own, so writing into the caller's NumPy arrays
+    afterwards changes neither the state nor its next step. With
     ``master_dtype=jnp.float32`` (the default), floating leaves narrower than
     float32 (bf16, f16, f8) become float32, so the state holds full-precision
     master weights; float32, float64 and complex leaves keep their dtype. With
@@ -288,7 +294,10 @@ class TrainState:
   def __post_init__(self) -> None:
     # The static leaves (an Equinox module's functions, strings and Python
     # numbers) go to the aux data, once, here: see _flatten_with_keys.
-    object.__setattr__(self, "_hollow", {f: filtering.hollow(getattr(self, f)) for f in _HOLLOWED})
+    hollow = {f: filtering.hollow(getattr(self, f)) for f in _HOLLOWED}
+    children = tuple(hollow[f][0] if f in hollow else getattr(self, f) for f in _CHILDREN)
+    specs = tuple(hollow[f][1] for f in _HOLLOWED)
+    self.__dict__["_tree"] = (children, (specs, tuple(getattr(self, f) for f in _META)))
 
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
@@ -301,7 +310,7 @@ _META = tuple(f.name for f in dataclasses.fields(TrainState) if f.metadata.get("
 _HOLLOWED = ("params", "opt_state", "model_state")
 
 
-def _flatten(state: TrainState) -> tuple[list[Any], Any]:
+def _flatten(state: TrainState) -> tuple[tuple[Any, ...], Any]:
   """Children: the array fields, with static leaves as ``None`` holes; aux: the rest.
 
   The static leaves are split off when the state is built, never when it is
@@ -309,12 +318,11 @@ def _flatten(state: TrainState) -> tuple[list[Any], Any]:
   orbax ``SaveArgs``, a sharding, a bool) round-trips unchanged, while
   ``jax.tree.leaves(state)``, checkpoints and ``jax.eval_shape`` see arrays
   only. A static leaf that changes is a new tree structure, so ``jax.jit``
-  retraces, as ``eqx.filter_jit`` does.
+  retraces, as ``eqx.filter_jit`` does. Both halves are computed once, when
+  the state is built, so flattening it (every call of a jitted step) is one
+  attribute read.
   """
-  hollow = state._hollow  # type: ignore[attr-defined]
-  children = [hollow[f][0] if f in hollow else getattr(state, f) for f in _CHILDREN]
-  specs = tuple(hollow[f][1] for f in _HOLLOWED)
-  return children, (specs, tuple(getattr(state, f) for f in _META))
+  return state.__dict__["_tree"]
 
 
 def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
@@ -322,16 +330,20 @@ def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
   return [(jax.tree_util.GetAttrKey(f), c) for f, c in zip(_CHILDREN, children)], aux
 
 
+_NO_SPECS = (None,) * len(_HOLLOWED)
+_FIELDS = _CHILDREN + _META
+
+
 def _unflatten(aux: Any, children: Any) -> TrainState:
+  """The state :func:`_flatten` split; the aux data is kept as it is (the same object)."""
   specs, meta = aux
   state = object.__new__(TrainState)
-  values = dict(zip(_CHILDREN, children))
-  hollow = {f: (values[f], spec) for f, spec in zip(_HOLLOWED, specs)}
-  for f, spec in zip(_HOLLOWED, specs):
-    values[f] = filtering.fill(values[f], spec)
-  for f, value in list(values.items()) + list(zip(_META, meta)):
-    object.__setattr__(state, f, value)
-  object.__setattr__(state, "_hollow", hollow)
+  values = state.__dict__
+  values.update(zip(_FIELDS, (*children, *meta)))
+  if specs != _NO_SPECS:
+    for f, spec in zip(_HOLLOWED, specs):
+      values[f] = filtering.fill(values[f], spec)
+  values["_tree"] = (tuple(children), aux)
   return state
 
 

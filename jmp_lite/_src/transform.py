@@ -18,6 +18,13 @@ from jmp_lite._src import skip
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _F32_MAX = float(np.finfo(np.float32).max)
 
+_NO_COUNTER_MSG = (
+    "skipped_steps_of found no loss-scaling state in opt_state (of type {what}), "
+    "so no skipped steps were counted: the train step skips non-finite steps of a plain "
+    "optax tx without recording them. Wrap the optimizer in "
+    "jmp_lite.static_loss_scaling(tx, 1.0) (no scaling, with a skip counter), or read "
+    "metrics[\"grads_finite\"] each step"
+)
 _OUTERMOST_MSG = (
     "{what}. Put the loss scaling outermost, wrapping everything else: "
     "tx = jmp.dynamic_loss_scaling(optax.chain(...)) (or "
@@ -394,13 +401,14 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState | None:
 
 
 def loss_scale_of(opt_state: Any) -> jax.Array:
-  """The current loss scale found anywhere inside ``opt_state``.
+  """The current loss scale found anywhere inside ``opt_state``; ``1.0`` means no scaling.
 
   Searches nested states (``optax.chain`` tuples, ``inject_hyperparams``,
   ``MultiSteps``, a ``TrainState``) for the first :class:`LossScaleState`.
+  Without one the loss is not scaled: the step multiplies it by ``1.0``.
 
   Returns:
-    A float32 scalar; ``1.0`` if there is no loss-scaling state.
+    A float32 scalar; ``1.0`` if there is no loss-scaling state (no scaling).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -415,10 +423,16 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
 
 
 def skipped_steps_of(opt_state: Any) -> jax.Array:
-  """Total skipped steps recorded inside ``opt_state`` (int32; 0 if none).
+  """Total skipped steps recorded inside ``opt_state`` (int32).
 
   Searches nested states like :func:`loss_scale_of`. The count saturates at
-  ``2**31 - 1`` instead of wrapping.
+  ``2**31 - 1`` instead of wrapping. The step skips non-finite steps of a
+  plain optax ``tx`` too, but only a loss-scaling transformation counts them.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no :class:`LossScaleState` (nothing
+      counted): wrap the optimizer in ``static_loss_scaling(tx, 1.0)``, or
+      read ``metrics["grads_finite"]`` per step.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -431,5 +445,5 @@ def skipped_steps_of(opt_state: Any) -> jax.Array:
   """
   state = find_loss_scale_state(opt_state)
   if state is None:
-    return jnp.zeros((), jnp.int32)
+    raise ValueError(_NO_COUNTER_MSG.format(what=checks.type_name(opt_state)))
   return state.skipped_steps
