@@ -11,7 +11,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ("train_digits", "char_lm", "transformer_lm", "underflow", "weight_updates")
-BENCHMARKS = ("run", "sweep", "masters", "overhead_study", "autocast", "cpu_profile", "gpu_compile")
+BENCHMARKS = ("run", "sweep", "masters", "overhead_study", "autocast", "cpu_profile", "gpu_compile",
+              "fp8_sizes")
 
 
 def _build_parser(monkeypatch, kind: str, name: str) -> argparse.ArgumentParser:
