@@ -64,6 +64,13 @@ def plugin_missing() -> str | None:
   return None if found else PLUGIN_HINT
 
 
+def require_plugin(p: argparse.ArgumentParser) -> None:
+  """Exits with ``p``'s usage error, saying what to install, if the CUDA plugin is missing."""
+  missing = plugin_missing()
+  if missing:
+    p.error(missing)
+
+
 def topology_sharding(target: pathlib.Path) -> Any:
   """A replicated ``NamedSharding`` on a one-GPU mesh of ``target``'s device."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -247,9 +254,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   p = build_parser()
   args = p.parse_args(argv)
-  missing = plugin_missing()
-  if missing:
-    p.error(missing)
+  require_plugin(p)
   names = cli.choose(args.model, models.MODELS, models.DEFAULT_MODELS, "model")
   variants = cli.choose(args.variants, VARIANTS, SMOKE_VARIANTS if args.smoke else VARIANTS,
                         "variant")
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
               f"FP8 share {row['fp8_fraction']:.2f}  {_kinds(row['gemm_kinds'])}", flush=True)
         rows.append(row)
   bars = check_bars(rows, meaningful=not args.smoke)
-  meta = report.meta(cli.command(PROG, argv), _CompiledFor(device), args=cli.args_record(args))
+  meta = report.meta(cli.command(PROG, argv), CompiledFor(device), args=cli.args_record(args))
   result = dict(meta=meta, target=args.target, target_device=device.device_kind, configs=configs,
                 rows=rows, bars=bars)
   stem = report.output_dir(args.out, args.smoke) / f"gpu-compile-{args.target}-{meta['date']}"
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
   return 1 if args.strict and failed else 0
 
 
-class _CompiledFor:
+class CompiledFor:
   """What ``report.meta`` reads of a device, for a device that is compiled for, not present."""
 
   platform = "cuda (compiled only)"

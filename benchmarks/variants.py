@@ -14,12 +14,13 @@ is jitted with its state donated:
                 statistics, the loss...) in float32. Not in the default set;
                 name it: ``--variants f16_dynamic,f16_autocast``.
   bf16_autocast ``bf16`` with ``make_train_step(..., autocast=True)``.
-  bf16_fp8      the same with ``fp8=True``: every matmul on float8 operands
-                (per-tensor current scaling), compared to ``bf16_autocast``.
+  bf16_fp8      the same with ``fp8=Float8Recipe(min_size=0)``: every matmul on
+                float8 operands, whatever its size (per-tensor current
+                scaling), compared to ``bf16_autocast``.
                 Without a GPU with FP8 tensor cores XLA emulates the float8
                 dots, so on a CPU it is slower, not faster. Not in the default
                 set; name it: ``--variants bf16_autocast,bf16_fp8``.
-  bf16_fp8_rowwise  ``bf16_fp8`` with ``Float8Recipe(scaling="rowwise")``: a scale
+  bf16_fp8_rowwise  ``bf16_fp8`` with ``Float8Recipe(min_size=0, scaling="rowwise")``: a scale
                 per row of each operand. Not in the default set.
   fp32_step     jmp_lite ``make_train_step`` with the ``float32`` policy and plain
                 ``adam``: the library's step with no mixed precision, against
@@ -284,8 +285,9 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
       lib_tx = jmp_lite.dynamic_loss_scaling(
           tx, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
       )
-    fp8_recipes = {"bf16_fp8": True,
-                   "bf16_fp8_rowwise": jmp_lite.Float8Recipe(scaling="rowwise")}
+    # Every matmul in FP8 (min_size=0): the steps measure all-FP8 training, whatever the sizes.
+    fp8_recipes = {"bf16_fp8": jmp_lite.Float8Recipe(min_size=0),
+                   "bf16_fp8_rowwise": jmp_lite.Float8Recipe(min_size=0, scaling="rowwise")}
     lean = {}
     if name == "bf16_lean":
       lean = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(0))

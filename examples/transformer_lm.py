@@ -27,9 +27,11 @@ changes:
   matmuls in float16, softmax, LayerNorm statistics, the loss and every other
   float32-list op in float32;
 * ``autocast_bf16``: policy ``mixed_bfloat16`` with ``autocast=True``;
-* ``fp8_bf16`` and ``fp8_f16`` (not run by default): ``autocast=True, fp8=True``
-  with ``mixed_bfloat16`` and ``mixed_float16``: every matmul on float8
-  operands with per-tensor current scaling, the rest as autocast. Without a
+* ``fp8_bf16`` and ``fp8_f16`` (not run by default): ``autocast=True,
+  fp8=jmp.Float8Recipe(min_size=0)`` with ``mixed_bfloat16`` and
+  ``mixed_float16``: every matmul on float8 operands, however small (the
+  default ``min_size`` would keep all of this model's in half), with per-tensor
+  current scaling, the rest as autocast. Without a
   GPU with FP8 tensor cores, XLA emulates them (slower than bf16). Their
   results are named ``transformer_lm_fp8.*``;
 * ``fp8_bf16_keep_ends`` and ``fp8_bf16_rowwise`` (not run by default): FP8
@@ -73,13 +75,16 @@ MODES = {
     "mixed_f16": ("mixed_float16", False, False),
     "autocast_f16": ("mixed_float16", True, False),
     "autocast_bf16": ("mixed_bfloat16", True, False),
-    "fp8_bf16": ("mixed_bfloat16", True, True),
-    "fp8_f16": ("mixed_float16", True, True),
+    # Every matmul in FP8 (min_size=0): this model's GEMMs are far below the
+    # default min_size (4096), from which FP8 pays on an H100.
+    "fp8_bf16": ("mixed_bfloat16", True, jmp.Float8Recipe(min_size=0)),
+    "fp8_f16": ("mixed_float16", True, jmp.Float8Recipe(min_size=0)),
     # FP8 steered (issue 30): the first block and the read-out kept in bf16, as
     # Megatron's --first-last-layers-bf16 does; or one scale per row.
     "fp8_bf16_keep_ends": ("mixed_bfloat16", True,
-                           jmp.Float8Recipe(keep=r"params/(?:Block_0|Dense_0)/")),
-    "fp8_bf16_rowwise": ("mixed_bfloat16", True, jmp.Float8Recipe(scaling="rowwise")),
+                           jmp.Float8Recipe(min_size=0, keep=r"params/(?:Block_0|Dense_0)/")),
+    "fp8_bf16_rowwise": ("mixed_bfloat16", True,
+                         jmp.Float8Recipe(min_size=0, scaling="rowwise")),
 }
 DEFAULT_MODES = ("fp32", "mixed_f16", "autocast_f16", "autocast_bf16")
 
@@ -138,13 +143,14 @@ def describe_fp8(fp8: Any) -> str:
   Examples:
     >>> describe_fp8(False), describe_fp8(True), describe_fp8(jmp.Float8Recipe(scaling="rowwise"))
     ('', 'fp8', 'fp8 rowwise')
-    >>> describe_fp8(jmp.Float8Recipe(keep="Block_0"))
-    'fp8 keep Block_0'
+    >>> describe_fp8(jmp.Float8Recipe(min_size=0, keep="Block_0"))
+    'fp8 min_size 0 keep Block_0'
   """
   recipe = jmp.Float8Recipe() if fp8 is True else fp8
   if not recipe:
     return ""
   words = ["fp8"] + (["rowwise"] if recipe.scaling == "rowwise" else [])
+  words += [f"min_size {recipe.min_size}"] if recipe.min_size != jmp.Float8Recipe().min_size else []
   words += [f"keep {' '.join(map(str, recipe.keep))}"] if recipe.keep else []
   return " ".join(words)
 

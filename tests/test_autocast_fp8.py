@@ -34,6 +34,10 @@ def key(i):
   return jax.random.key(i)
 
 
+# Every matmul in FP8, toy shapes included: the default min_size keeps GEMMs under 4096 in half.
+FP8 = jmp.Float8Recipe(min_size=0)
+
+
 def normal(seed, shape, scale=1.0):
   return jax.random.normal(key(seed), shape) * scale
 
@@ -77,13 +81,13 @@ def mlp_params(scale=1.0):
 
 def test_forward_operands_are_e4m3_and_backward_cotangents_e5m2():
   params, x = mlp_params(0.2), normal(3, (8, 32))
-  fn = jmp.autocast(mlp, jnp.bfloat16, fp8=True)
+  fn = jmp.autocast(mlp, jnp.bfloat16, fp8=FP8)
   assert matmul_dtypes(fn, params, x) == [E4M3, E4M3]
   loss = lambda p, v: jnp.sum(fn(p, v).astype(F32) ** 2)
   grads = matmul_dtypes(jax.grad(loss), params, x)
   # Two forward GEMMs, then two per matmul backward, each on an e5m2 cotangent.
   assert sorted(grads) == sorted([E4M3] * 2 + [f"{E4M3}+{E5M2}"] * 4)
-  recipe = jmp.Float8Recipe(forward=jnp.float8_e5m2, backward=jnp.float8_e4m3fn)
+  recipe = jmp.Float8Recipe(min_size=0, forward=jnp.float8_e5m2, backward=jnp.float8_e4m3fn)
   swapped = jmp.autocast(mlp, jnp.float16, fp8=recipe)
   assert matmul_dtypes(swapped, params, x) == [E5M2, E5M2]
   assert jmp.autocast(mlp, jnp.bfloat16)(params, x).dtype == BF16
@@ -92,7 +96,7 @@ def test_forward_operands_are_e4m3_and_backward_cotangents_e5m2():
 
 def test_precision_report_counts_fp8_matmuls_forward_and_backward():
   params, x = mlp_params(0.2), normal(3, (8, 32))
-  fn = jmp.autocast(mlp, jnp.bfloat16, fp8=True)
+  fn = jmp.autocast(mlp, jnp.bfloat16, fp8=FP8)
   report = jmp.precision_report(fn, params, x)
   assert report.count("matmul") == report.count("matmul", E4M3) == 2
   grad = jax.value_and_grad(lambda p, v: jnp.sum(fn(p, v).astype(F32)))
@@ -107,7 +111,7 @@ def test_precision_report_counts_fp8_matmuls_forward_and_backward():
 
 def test_lint_flags_fp8_gemm_dims_not_a_multiple_of_16():
   params = {"w1": normal(1, (32, 24)), "w2": normal(2, (24, 16))}  # 24: a multiple of 8 only
-  fn = jmp.autocast(mlp, jnp.bfloat16, fp8=True)
+  fn = jmp.autocast(mlp, jnp.bfloat16, fp8=FP8)
   findings = jmp.precision_lint(fn, params, normal(3, (8, 32)), policy="mixed_bfloat16")
   messages = [f.reason for f in findings if f.op == "dot_general"]
   assert messages == [
@@ -130,10 +134,10 @@ def matmul_loss(a, b, r):
 def test_product_and_gradients_match_float32_at_any_magnitude(magnitude):
   a, b = normal(4, (64, 128), magnitude), normal(5, (128, 32), magnitude)
   r = normal(6, (64, 32))
-  out = jax.jit(jmp.autocast(lambda u, v: u @ v, jnp.bfloat16, fp8=True))(a, b)
+  out = jax.jit(jmp.autocast(lambda u, v: u @ v, jnp.bfloat16, fp8=FP8))(a, b)
   assert out.dtype == BF16
   assert rel_error(out, a @ b) < FWD_TOL
-  grads = jax.jit(jax.grad(jmp.autocast(matmul_loss, jnp.bfloat16, fp8=True), (0, 1)))(a, b, r)
+  grads = jax.jit(jax.grad(jmp.autocast(matmul_loss, jnp.bfloat16, fp8=FP8), (0, 1)))(a, b, r)
   assert [g.dtype for g in grads] == [F32, F32]
   assert tree_rel_error(grads, jax.grad(matmul_loss, (0, 1))(a, b, r)) < GRAD_TOL
   # A plain cast to e4m3 flushes 1e-6 to zero and overflows past 448.
@@ -143,18 +147,18 @@ def test_product_and_gradients_match_float32_at_any_magnitude(magnitude):
 
 def test_float16_product_and_gradients():
   a, b, r = normal(4, (64, 128)), normal(5, (128, 32)), normal(6, (64, 32))
-  out = jax.jit(jmp.autocast(lambda u, v: u @ v, jnp.float16, fp8=True))(a, b)
+  out = jax.jit(jmp.autocast(lambda u, v: u @ v, jnp.float16, fp8=FP8))(a, b)
   assert out.dtype == F16 and rel_error(out, a @ b) < FWD_TOL
-  grads = jax.jit(jax.grad(jmp.autocast(matmul_loss, jnp.float16, fp8=True), (0, 1)))(a, b, r)
+  grads = jax.jit(jax.grad(jmp.autocast(matmul_loss, jnp.float16, fp8=FP8), (0, 1)))(a, b, r)
   assert tree_rel_error(grads, jax.grad(matmul_loss, (0, 1))(a, b, r)) < GRAD_TOL
 
 
 def test_zeros_give_zeros_and_inf_gives_non_finite():
-  fn = jax.jit(jmp.autocast(lambda u, v: u @ v, jnp.bfloat16, fp8=True))
+  fn = jax.jit(jmp.autocast(lambda u, v: u @ v, jnp.bfloat16, fp8=FP8))
   a, b = normal(4, (16, 32)), normal(5, (32, 16))
   zeros = fn(jnp.zeros_like(a), b)
   np.testing.assert_array_equal(zeros, np.zeros((16, 16)))
-  grad = jax.jit(jax.grad(jmp.autocast(matmul_loss, jnp.bfloat16, fp8=True), (0, 1)))
+  grad = jax.jit(jax.grad(jmp.autocast(matmul_loss, jnp.bfloat16, fp8=FP8), (0, 1)))
   grads = grad(jnp.zeros_like(a), b, normal(6, (16, 16)))
   assert np.all(np.isfinite(grads[0])) and np.all(np.asarray(grads[1]) == 0)
   out = fn(a.at[3, 7].set(jnp.inf), b)
@@ -174,7 +178,7 @@ def layers(ws, x):
 
 def test_jit_grad_vmap_scan_remat():
   ws, x = normal(7, (3, 32, 32), 0.2), normal(8, (4, 16, 32))
-  fn = jmp.autocast(layers, jnp.bfloat16, fp8=True)
+  fn = jmp.autocast(layers, jnp.bfloat16, fp8=FP8)
   assert matmul_dtypes(fn, ws, x[0]) == [E4M3]  # the scan body's one matmul
   batched = jax.jit(jax.vmap(fn, in_axes=(None, 0)))(ws, x)  # one scale per example
   assert batched.dtype == F32  # the carry takes its widest dtype, x's
@@ -199,7 +203,7 @@ class LinenNet(nn.Module):
 def test_flax_linen_model_unchanged():
   model, x = LinenNet(), normal(9, (4, 6, 6, 3))
   variables = model.init(key(10), x)
-  apply = jmp.autocast(model.apply, jnp.bfloat16, fp8=True)
+  apply = jmp.autocast(model.apply, jnp.bfloat16, fp8=FP8)
   report = jmp.precision_report(apply, variables, x)
   assert report.count("matmul", E4M3) == report.count("matmul") == 2
   assert report.count("conv", "bfloat16") == 1  # convolutions follow the half list
@@ -218,17 +222,17 @@ class NNXNet(nnx.Module):
 
 def test_flax_nnx_model_unchanged():
   model, x = NNXNet(nnx.Rngs(0)), normal(11, (8, 32))
-  out = nnx.jit(jmp.autocast(lambda m, v: m(v), jnp.bfloat16, fp8=True))(model, x)
+  out = nnx.jit(jmp.autocast(lambda m, v: m(v), jnp.bfloat16, fp8=FP8))(model, x)
   assert rel_error(out, model(x)) < FWD_TOL
   graphdef, state = nnx.split(model)
-  functional = jmp.autocast(lambda s, v: nnx.merge(graphdef, s)(v), jnp.bfloat16, fp8=True)
+  functional = jmp.autocast(lambda s, v: nnx.merge(graphdef, s)(v), jnp.bfloat16, fp8=FP8)
   assert matmul_dtypes(functional, state, x) == [E4M3, E4M3]
 
 
 def test_equinox_mlp_unchanged():
   model = eqx.nn.MLP(32, 16, 64, 2, activation=jax.nn.gelu, key=key(12))
   x = normal(13, (8, 32))
-  run = jmp.autocast(lambda m, v: jax.vmap(m)(v), jnp.bfloat16, fp8=True)
+  run = jmp.autocast(lambda m, v: jax.vmap(m)(v), jnp.bfloat16, fp8=FP8)
   out = eqx.filter_jit(run)(model, x)
   assert rel_error(out, jax.vmap(model)(x)) < FWD_TOL
   loss = lambda m: jnp.sum(run(m, x) ** 2)
@@ -259,7 +263,7 @@ def test_train_step_with_fp8_trains_and_compiles_once(policy):
   if policy == "mixed_float16":
     tx = jmp.dynamic_loss_scaling(tx, init_scale=2.0**12)
   state = jmp.TrainState.create(params=mlp_params(0.2), tx=tx)
-  step = jmp.make_train_step(loss_fn, jmp.get_policy(policy), autocast=True, fp8=True)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy(policy), autocast=True, fp8=FP8)
   losses = []
   for _ in range(20):
     state, metrics = step(state, batch)
@@ -276,7 +280,7 @@ def test_train_step_skips_a_non_finite_fp8_step():
   tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**12)
   state = jmp.TrainState.create(params=mlp_params(0.2), tx=tx)
   step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_float16"), autocast=True,
-                             fp8=jmp.Float8Recipe(margin=1), donate=False)
+                             fp8=jmp.Float8Recipe(min_size=0, margin=1), donate=False)
   bad = {**batch, "x": x.at[0, 0].set(jnp.inf)}
   new, metrics = step(state, bad)
   assert not bool(metrics["grads_finite"])
@@ -329,6 +333,6 @@ def train_digits(fp8):
 
 
 def test_digits_fp8_reaches_bf16_accuracy():
-  bf16, fp8 = train_digits(False), train_digits(True)
+  bf16, fp8 = train_digits(False), train_digits(FP8)
   assert bf16 > 95
   assert fp8 > bf16 - 1.5, (fp8, bf16)

@@ -20,6 +20,10 @@ import jmp_lite as jmp
 BF16, E4M3 = "bfloat16", "float8_e4m3fn"
 
 
+# Every matmul in FP8, toy shapes included: the default min_size keeps GEMMs under 4096 in half.
+FP8 = jmp.Float8Recipe(min_size=0)
+
+
 def counts(fn, *args, **kw):
   """``{dtype: matmuls}`` of ``fn``'s forward pass (or its step's backward with backward=True)."""
   report = jmp.precision_report(fn, *args, **kw)
@@ -68,11 +72,11 @@ def test_keep_rules_on_linen_by_path_and_by_callable():
   model, x = LinenMLP(), normal(0, (8, 32))
   variables = model.init(jax.random.key(1), x)
   fn = lambda recipe: jmp.autocast(model.apply, jnp.bfloat16, fp8=recipe)
-  assert counts(fn(True), variables, x) == {E4M3: 3}
+  assert counts(fn(FP8), variables, x) == {E4M3: 3}
   # Paths within the arguments: the first argument's leaves begin with "0/".
-  first_last = jmp.Float8Recipe(keep=(r"^0/params/Dense_0/", r"Dense_2"))
+  first_last = jmp.Float8Recipe(min_size=0, keep=(r"^0/params/Dense_0/", r"Dense_2"))
   assert counts(fn(first_last), variables, x) == {BF16: 2, E4M3: 1}
-  by_callable = jmp.Float8Recipe(keep=lambda path, leaf: leaf.shape == (64, 64))
+  by_callable = jmp.Float8Recipe(min_size=0, keep=lambda path, leaf: leaf.shape == (64, 64))
   assert counts(fn(by_callable), variables, x) == {BF16: 1, E4M3: 2}
   assert np.isfinite(np.asarray(fn(first_last)(variables, x), np.float32)).all()
 
@@ -81,11 +85,11 @@ def test_keep_rules_on_nnx_and_equinox():
   x = normal(0, (8, 32))
   graph, state = nnx.split(NNXMLP(nnx.Rngs(0)))
   apply = lambda state, x: nnx.merge(graph, state)(x)
-  recipe = jmp.Float8Recipe(keep="last")
+  recipe = jmp.Float8Recipe(min_size=0, keep="last")
   assert counts(jmp.autocast(apply, jnp.bfloat16, fp8=recipe), state, x) == {BF16: 1, E4M3: 2}
   mlp = eqx.nn.MLP(32, 16, 64, depth=2, key=jax.random.key(0))
   batched = lambda m, x: jax.vmap(m)(x)
-  recipe = jmp.Float8Recipe(keep=r"layers/0/weight")
+  recipe = jmp.Float8Recipe(min_size=0, keep=r"layers/0/weight")
   assert counts(jmp.autocast(batched, jnp.bfloat16, fp8=recipe), mlp, x) == {BF16: 1, E4M3: 2}
 
 
@@ -97,16 +101,16 @@ def test_a_keep_rule_keeps_a_whole_scanned_stack():
   params = {"proj": normal(1, (32, 48)), "stack": normal(2, (4, 48, 48), 0.1)}
   x = normal(0, (8, 32))
   fn = lambda recipe: jmp.autocast(scanned, jnp.bfloat16, fp8=recipe)
-  assert counts(fn(True), params, x) == {E4M3: 2}
-  assert counts(fn(jmp.Float8Recipe(keep="stack")), params, x) == {BF16: 1, E4M3: 1}
-  assert counts(fn(jmp.Float8Recipe(keep="proj")), params, x) == {BF16: 1, E4M3: 1}
+  assert counts(fn(FP8), params, x) == {E4M3: 2}
+  assert counts(fn(jmp.Float8Recipe(min_size=0, keep="stack")), params, x) == {BF16: 1, E4M3: 1}
+  assert counts(fn(jmp.Float8Recipe(min_size=0, keep="proj")), params, x) == {BF16: 1, E4M3: 1}
 
 
 def test_keep_rules_in_the_train_step_see_the_params_own_paths():
   """Under make_train_step the paths are the params' (``Dense_0/kernel``), as the policy's."""
   params, batch, loss_fn = linen_problem()
 
-  recipe = jmp.Float8Recipe(keep=r"^Dense_0/")
+  recipe = jmp.Float8Recipe(min_size=0, keep=r"^Dense_0/")
   policy = jmp.get_policy("mixed_bfloat16")
   # Forward: Dense_0 in half. Backward: its weight gradient in half too (its
   # input gradient is not needed), the other two layers' two GEMMs each in FP8.
@@ -126,7 +130,8 @@ def test_a_rule_that_keeps_no_matmul_warns_naming_it():
   variables = model.init(jax.random.key(1), x)
   with pytest.warns(UserWarning, match=r"keep rule 'dense_0' of the Float8Recipe selects no "
                                        r"argument leaf that a matmul reads.*'0/params/Dense_"):
-    jmp.autocast(model.apply, jnp.bfloat16, fp8=jmp.Float8Recipe(keep="dense_0"))(variables, x)
+    recipe = jmp.Float8Recipe(min_size=0, keep="dense_0")
+    jmp.autocast(model.apply, jnp.bfloat16, fp8=recipe)(variables, x)
 
 
 # ----------------------------------------------------------------- min_size
@@ -148,6 +153,18 @@ def test_min_size_checks_each_gemm_size_batch_dims_excluded(min_size, expected):
   assert counts(jmp.autocast(fn, jnp.bfloat16, fp8=recipe), p, x) == expected
 
 
+@pytest.mark.parametrize("fp8", [True, jmp.Float8Recipe(scaling="rowwise")])
+def test_by_default_only_gemms_of_4096_and_up_run_in_fp8(fp8):
+  """The default min_size (4096, where FP8 starts to pay on an H100: docs/fp8.md)."""
+  assert jmp.Float8Recipe().min_size == 4096
+  fn = jmp.autocast(lambda w, x: x @ w, jnp.bfloat16, fp8=fp8)
+  for (m, k, n), expected in [((4096, 4096, 4096), {E4M3: 1}), ((4096, 4096, 4095), {BF16: 1}),
+                              ((4095, 8192, 8192), {BF16: 1}), ((8192, 4096, 16384), {E4M3: 1}),
+                              ((8, 32, 64), {BF16: 1})]:
+    w, x = jax.ShapeDtypeStruct((k, n), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32)
+    assert counts(fn, w, x) == expected, (m, k, n)
+
+
 def test_min_size_in_between_splits_the_gemms():
   def fn(p, x):
     return (x @ p["wide"]) @ p["narrow"]   # 64x128x256, then 64x256x8
@@ -163,7 +180,7 @@ def test_rowwise_recipe_trains_in_the_step():
   params, batch, loss_fn = linen_problem()
 
   step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True,
-                             fp8=jmp.Float8Recipe(scaling="rowwise"))
+                             fp8=jmp.Float8Recipe(min_size=0, scaling="rowwise"))
   state = jmp.TrainState.create(params=params, tx=optax.adam(1e-2))
   first = None
   for _ in range(30):
@@ -206,7 +223,7 @@ def test_sensitivity_ranks_the_layer_with_the_hostile_input_first():
   # The rule the report offers keeps that layer in half, in autocast and in the step.
   rule = report.keep_rule(1)
   assert rule == "(?:^|/)(?:layer2)$"
-  kept = jmp.autocast(hostile_mlp, jnp.bfloat16, fp8=jmp.Float8Recipe(keep=rule))
+  kept = jmp.autocast(hostile_mlp, jnp.bfloat16, fp8=jmp.Float8Recipe(min_size=0, keep=rule))
   assert counts(kept, params, x) == {BF16: 1, E4M3: 2}
   # Rowwise scales (per row of the input, per column of the weights) cut its error.
   rowwise = jmp.fp8_sensitivity(hostile_mlp, params, x, recipe=jmp.Float8Recipe(scaling="rowwise"))

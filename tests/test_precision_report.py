@@ -206,6 +206,8 @@ def mlp_problem():
 
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+# Every matmul in FP8, toy shapes included: the default min_size keeps GEMMs under 4096 in half.
+FP8 = jmp.Float8Recipe(min_size=0)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -234,15 +236,15 @@ def test_backward_counts_the_steps_gradient_of_the_autocast_loss(policy):
 def test_backward_fp8_gemms_are_counted_as_fp8():
   params, batch = mlp_problem()
   report = jmp.precision_report(mlp_loss, params, batch, policy="mixed_bfloat16", autocast=True,
-                                fp8=True, backward=True)
+                                fp8=FP8, backward=True)
   # The custom VJP also computes the batch's cotangent of x @ w1; nothing reads it,
   # so XLA drops it, and so does the report.
   assert report.counts["matmul"] == {E4M3: 2, f"{E4M3}+{E5M2}": 3}
-  recipe = jmp.Float8Recipe(forward=jnp.float8_e5m2, backward=jnp.float8_e5m2)
+  recipe = jmp.Float8Recipe(forward=jnp.float8_e5m2, backward=jnp.float8_e5m2, min_size=0)
   swapped = jmp.precision_report(mlp_loss, params, batch, policy="mixed_float16", autocast=True,
                                  fp8=recipe)
   assert swapped.counts["matmul"] == {E5M2: 2}
-  wrapped = jmp.autocast(mlp_loss, jnp.bfloat16, fp8=True)  # the documented FP8 lint/report
+  wrapped = jmp.autocast(mlp_loss, jnp.bfloat16, fp8=FP8)  # the documented FP8 lint/report
   assert jmp.precision_report(wrapped, params, batch, policy="mixed_bfloat16",
                               backward=True) == report
 

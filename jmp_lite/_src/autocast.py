@@ -150,7 +150,8 @@ def autocast(
     lists: the op lists (default :class:`AutocastLists` ``()``).
     fp8: ``None``/``False`` (off), ``True`` (the default
       :class:`Float8Recipe`) or a :class:`Float8Recipe`: run the half-list
-      matmuls in FP8.
+      matmuls in FP8 (by default those whose three GEMM sizes are all
+      >= 4096, ``Float8Recipe.min_size``; smaller ones stay in ``dtype``).
 
   Returns:
     The autocast function.
@@ -174,7 +175,8 @@ def autocast(
     >>> mean, logits = jmp.autocast(loss, jnp.float16)(w, x)
     >>> mean.dtype, logits.dtype, round(float(mean))
     (dtype('float32'), dtype('float16'), 162755)
-    >>> fp8_mean, fp8_logits = jmp.autocast(loss, jnp.float16, fp8=True)(w, x)
+    >>> every = jmp.Float8Recipe(min_size=0)  # this 2x4x4 matmul too (fp8=True: >= 4096)
+    >>> fp8_mean, fp8_logits = jmp.autocast(loss, jnp.float16, fp8=every)(w, x)
     >>> fp8_logits.dtype, round(float(fp8_mean))
     (dtype('float16'), 162755)
   """

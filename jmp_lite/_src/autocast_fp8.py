@@ -39,7 +39,8 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
     >>> import jax.numpy as jnp
     >>> import jmp_lite as jmp
     >>> x = jnp.array([[1.0, 2.0], [3.0, 1000.0]])
-    >>> jmp.autocast(lambda a: a @ a, jnp.bfloat16, fp8=True)(x).tolist()
+    >>> every = jmp.Float8Recipe(min_size=0)  # this 2x2 matmul too
+    >>> jmp.autocast(lambda a: a @ a, jnp.bfloat16, fp8=every)(x).tolist()
     [[6.9375, 1952.0], [3072.0, 999424.0]]
   """
   recipe = cfg.fp8

@@ -27,8 +27,10 @@ _FLOAT8_NAMES = (
 FLOAT8_DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(getattr(jnp, name)) for name in _FLOAT8_NAMES if hasattr(jnp, name))
 SCALINGS = ("tensorwise", "rowwise")
-# The default minimum GEMM size (see Float8Recipe.min_size and docs/fp8.md).
-MIN_SIZE = 0
+# The default minimum GEMM size: on an H100, one linear layer's three GEMMs are
+# estimated to run faster in FP8 than in bf16 from M = K = N = 4096, and slower
+# below (python -m benchmarks.fp8_sizes; see Float8Recipe.min_size, docs/fp8.md).
+MIN_SIZE = 4096
 _ALLOWED_FORMATS_MSG = "allowed formats: " + ", ".join(d.name for d in FLOAT8_DTYPES)
 _AS_RECIPE_MSG = "fp8 must be None, False, True or a Float8Recipe"
 
@@ -111,7 +113,18 @@ class Float8Recipe:
       its own row's precision).
     min_size: a matmul runs in FP8 only when its lhs free size, rhs free size
       and contracting size (batch dimensions excluded) are each >= this; the
-      others run in the half dtype (an int >= 0). See ``docs/fp8.md``.
+      others run in the half dtype (an int >= 0; 0 runs every matmul in FP8).
+      The default, 4096 (:data:`MIN_SIZE`), is where FP8 starts to pay on an
+      H100: for one linear layer's forward and two backward GEMMs, the
+      program XLA compiles for an H100 is estimated (a roofline of its
+      kernels, not a timing) at 0.87-0.93x the bf16 time at M = K = N = 4096
+      and 1.03-1.12x at 3072, 1.5-1.6x at 2048: the amax reductions,
+      quantisations and rescales that FP8 adds move bytes that only large
+      GEMMs earn back (``python -m benchmarks.fp8_sizes``, ``docs/fp8.md``).
+      The rule is conservative for a GEMM with one small size and two large
+      ones (16384 x 16384 x 2048 is estimated to pay). Sizes that are not
+      multiples of 16 need no rule: XLA pads them to multiples of 16 for
+      cuBLASLt's FP8 GEMM, and Triton's FP8 GEMMs take them as they are.
     keep: rules for matmuls kept in the half dtype: a regex (``re.search``
       on a leaf's ``/``-joined path, as :class:`Policy`'s ``keep_full``) or a
       callable ``(path, leaf) -> bool``. A matmul is kept when an operand
@@ -137,6 +150,8 @@ class Float8Recipe:
     (True, False)
     >>> Float8Recipe(keep="Dense_0", scaling="rowwise", min_size=64).keep
     ('Dense_0',)
+    >>> Float8Recipe().min_size  # FP8 from 4096 on; min_size=0 for every matmul
+    4096
   """
 
   forward: DTypeLike = jnp.float8_e4m3fn

@@ -141,7 +141,8 @@ def make_train_step(
       masters and the skip are unchanged. Needs a float16 or bfloat16
       compute dtype.
     fp8: ``True`` or a :class:`Float8Recipe`: autocast's matmuls run in FP8
-      (``autocast(loss_fn, policy.compute_dtype, fp8=fp8)``), with per-tensor
+      (``autocast(loss_fn, policy.compute_dtype, fp8=fp8)``; by default
+      those whose GEMM sizes are all >= ``Float8Recipe.min_size``), with per-tensor
       current scaling; loss scaling, the masters and the skip are unchanged
       (a non-finite value in a matmul stays non-finite, so the skip sees it).
       Needs ``autocast=True``.
