@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import warnings
 from typing import Any, Iterator, Mapping, Sequence, Union
 
 from jax.extend import core as jex_core
@@ -164,9 +165,12 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
   """The :class:`Plan` of ``jaxpr`` under ``recipe``'s keep rules (and :func:`selecting`).
 
   A keep rule that keeps no matmul warns (``UserWarning``), naming the rule
-  and the paths the matmuls read, as the policy's keep rules do.
+  and the paths the matmuls read, as the policy's keep rules do; so does a
+  ``min_size`` that no floating matmul reaches, since FP8 was asked for and
+  nothing would run in it.
   """
   found = matmuls(jaxpr, paths)
+  _warn_if_all_too_small([(eqn, m) for eqn, m in found if _floating(eqn)], recipe)
   kept: set[int] = set()
   keep = tuple(recipe.keep)  # type: ignore[arg-type]  # Normalised to a tuple by the recipe.
   if keep:
@@ -180,6 +184,28 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
                               "argument leaf that a matmul reads", "no matmul in half",
                               "leaves the matmuls read")
   return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), _ONLY.get())
+
+
+_TOO_SMALL_MSG = (
+    "fp8 is on, but none of the {n} matmuls reaches the recipe's min_size={min_size} in all "
+    "three GEMM sizes (the largest is {m} x {k} x {nn}, M x K x N), so every one runs in the "
+    "half dtype: FP8 pays on an H100 only from about 4096 (docs/fp8.md, 'From what size FP8 "
+    "pays'). Pass fp8=jmp.Float8Recipe(min_size=0) to run them in FP8 anyway, or fp8=False")
+
+
+def _floating(eqn: Any) -> bool:
+  return all(jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v)) for v in eqn.invars[:2])
+
+
+def _warn_if_all_too_small(found: list[tuple[Any, Matmul]], recipe: Float8Recipe) -> None:
+  """A ``UserWarning`` when FP8 is on and ``min_size`` leaves every matmul in half."""
+  if not found or recipe.min_size == 0:
+    return
+  if any(min(m.shape[:3]) >= recipe.min_size for _, m in found):
+    return
+  m, k, n, _ = max((m.shape for _, m in found), key=lambda s: min(s[:3]))
+  warnings.warn(_TOO_SMALL_MSG.format(n=len(found), min_size=recipe.min_size, m=m, k=k, nn=n),
+                UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
