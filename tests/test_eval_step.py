@@ -161,7 +161,7 @@ def test_fp8_follows_the_steps_rules_and_stays_close_to_bf16():
   params = {"w1": jax.random.normal(keys[0], (32, 32)) / 6, "w2": jax.random.normal(keys[1], (32, 16)) / 6}
   x = jax.random.normal(keys[2], (16, 32))
   bf16 = jmp.make_eval_step(predict, BF16, autocast=True)(params, x)
-  fp8 = jmp.make_eval_step(predict, BF16, autocast=True, fp8=True)(params, x)
+  fp8 = jmp.make_eval_step(predict, BF16, autocast=True, fp8=jmp.Float8Recipe(min_size=0))(params, x)
   assert fp8.dtype == bf16.dtype == jnp.float32 and not np.array_equal(fp8, bf16)
   error = float(jnp.linalg.norm(fp8 - bf16) / jnp.linalg.norm(bf16))
   assert error < 0.1, error

@@ -203,7 +203,7 @@ def _warn_if_all_too_small(found: list[tuple[Any, Matmul]], recipe: Float8Recipe
     return
   if any(min(m.shape[:3]) >= recipe.min_size for _, m in found):
     return
-  m, k, n, _ = max((m.shape for _, m in found), key=lambda s: min(s[:3]))
+  m, k, n, _ = max((m.shape for _, m in found), key=lambda s: (min(s[:3]), s[0] * s[1] * s[2]))
   warnings.warn(_TOO_SMALL_MSG.format(n=len(found), min_size=recipe.min_size, m=m, k=k, nn=n),
                 UserWarning, stacklevel=4)
 
