@@ -154,7 +154,7 @@ def test_min_size_checks_each_gemm_size_batch_dims_excluded(min_size, expected):
     assert counts(jmp.autocast(fn, jnp.bfloat16, fp8=recipe), p, x) == expected
   else:  # FP8 asked for and nothing large enough: said, not silent.
     with pytest.warns(UserWarning, match=rf"fp8 is on, but none of the 3 matmuls reaches the "
-                                         rf"recipe's min_size={min_size} .* the largest is 16 x 64 x 64"):
+                                         rf"recipe's min_size={min_size} .*the largest is 16 x 64 x 64"):
       assert counts(jmp.autocast(fn, jnp.bfloat16, fp8=recipe), p, x) == expected
 
 
