@@ -38,7 +38,7 @@ _DTYPE_MSG = "dtype must be jnp.float16 or jnp.bfloat16, got {value!r}"
 def _register() -> None:
   """Gives the interpreter its handlers for higher-order primitives."""
   for name, (fn, params) in autocast_control.HANDLERS.items():
-    interp.register_handler(name, fn, params)
+    interp.register_handler(name, fn, params, name in autocast_control.META_HANDLERS)
   interp.register_half_rule("dot_general", autocast_fp8.rule)
 
 
@@ -53,6 +53,32 @@ def _check_dtype(dtype: Any) -> np.dtype:
   if isinstance(dtype, bool) or dt not in interp.HALVES:
     raise ValueError(_DTYPE_MSG.format(value=dtype))
   return dt
+
+
+def _as_float32(x: Any) -> Any:
+  """A half leaf's type in float32 (``fun`` is traced as the float32 program); others as they are."""
+  if interp.value_dtype(x) in interp.HALVES:
+    return jax.typeof(x).update(dtype=interp.F32, weak_type=False)
+  return x
+
+
+def _trace(fun: Callable[[Any], Any], traced: Any) -> Any:
+  """``fun``'s jaxpr with its arguments as given, or (if that fails) as the float32 program.
+
+  A function whose half arguments meet float32 values it makes
+  (``jax.random.normal`` noise) in an op that needs equal dtypes (Equinox's
+  ``Conv2d``) does not trace with half params; it runs in float32, so it is
+  traced with its half arguments as float32, and evaluated on the half ones.
+  """
+  try:
+    return jax.make_jaxpr(fun)(traced)
+  except TypeError as error:
+    if not any(interp.value_dtype(x) in interp.HALVES for x in jax.tree.leaves(traced)):
+      raise
+    try:
+      return jax.make_jaxpr(fun)(jax.tree.map(_as_float32, traced))
+    except Exception:  # Not a float32 program either: the error of the call as made.
+      raise error from None
 
 
 def autocast(
@@ -178,7 +204,7 @@ def autocast(
       out["tree"] = jax.tree.structure(out_traced)
       return out_traced
 
-    closed = jax.make_jaxpr(traced_fun)(traced)
+    closed = _trace(traced_fun, traced)
     outs = interp.eval_closed(closed, jax.tree.leaves(traced), cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])
 
