@@ -83,13 +83,15 @@ def test_matmuls_and_convs_in_half_exp_log_reductions_in_float32(dtype):
 
 def test_half_inputs_float32_list_ops_widen_and_matmul_inputs_narrow():
   def f(x16, w32):
-    return jnp.exp(x16), x16 @ w32.astype(jnp.float16), jnp.tanh(x16), x16 * 2.0, x16 + w32[0]
+    return (jnp.exp(x16), x16 @ w32.astype(jnp.float16), jnp.tanh(x16), x16 * 2.0,
+            x16 + w32[0], x16 + w32[:2])
 
   x, w = jnp.ones((2, 3), jnp.float16), jnp.ones((3, 3), jnp.float32)
-  e, mm, t, scaled, mixed = jmp.autocast(f, jnp.float16)(x, w)
+  outs = jmp.autocast(f, jnp.float16)(x, w)
   # exp widens; the matmul is f16; tanh (promote list) stays f16; a Python scalar
-  # does not promote; f16 + f32 is f32.
-  assert [a.dtype for a in (e, mm, t, scaled, mixed)] == [F32, F16, F16, F16, F32]
+  # does not promote; a float32 row broadcast onto f16 (a bias) does not either;
+  # f16 + float32 data of the same size is f32.
+  assert [a.dtype for a in outs] == [F32, F16, F16, F16, F16, F32]
 
 
 def test_float32_matmul_runs_in_half_and_deliberate_preferred_element_type_is_kept():

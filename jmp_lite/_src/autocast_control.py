@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jmp_lite._src import autocast_interpret as interp
+from jmp_lite._src import autocast_promote as rules
 from jmp_lite._src import jaxpr_utils
 
 # Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches
@@ -56,7 +57,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
   """
   closed = eqn.params["jaxpr"]
   consts = [_constant_key(x) for x in ins]
-  metas, back = interp.canonical(metas)
+  metas, back = rules.canonical(metas)
   key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas))
   per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
   hit = per_jaxpr.get(key)
@@ -68,7 +69,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
     hit = (jax.make_jaxpr(fun)(*ins), out_metas)
     if _no_tracers(hit[0]):
       per_jaxpr[key] = hit
-  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), interp.restore(hit[1], back)
+  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), rules.restore(hit[1], back)
 
 
 def _call(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:

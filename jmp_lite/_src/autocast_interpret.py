@@ -104,26 +104,6 @@ def register_handler(name: str, fn: Handler, params: tuple[str, ...], metas: boo
   HANDLERS[name] = guarded
 
 
-def canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
-  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
-
-  A nested jit is evaluated once per input types and metas: renamed, the
-  metas of two calls that share their pattern of sources are equal.
-  """
-  names: dict[Any, int] = {}
-  out = [m if m is None or m.source is None
-         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
-  return out, {v: k for k, v in names.items()}
-
-
-def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
-  """Output metas of a body evaluated on :func:`canonical` metas, in the caller's sources."""
-  new: dict[Any, Any] = {}
-  return [m if m is None or m.source is None else m._replace(
-      source=back[m.source] if m.source in back else new.setdefault(m.source, rules.fresh()))
-          for m in metas]
-
-
 def register_half_rule(name: str, rule: HalfRule) -> None:
   """Runs ``rule(eqn, ins, cfg)`` for each half-list primitive ``name``.
 
@@ -235,9 +215,12 @@ class _Evaluator:
         self.write(v, x, m)
       for v in dead:
         self.env.pop(v, None), self.meta.pop(v, None), self.refs.pop(v, None)
-    outs = [self.read(v) if keep else self.concrete(self.read(v)) for v in jaxpr.outvars]
+    outs = [self.read(v) for v in jaxpr.outvars]
+    asked = [not keep and isinstance(x, regions.Node) and x.asked for x in outs]
+    outs = [x if keep else self.concrete(x, wide) for x, wide in zip(outs, asked)]
     if out_metas is not None:
-      out_metas.extend(self.meta_of(v) for v in jaxpr.outvars)
+      out_metas.extend(self.meta_of(v)._replace(kind=rules.DATA) if wide else self.meta_of(v)
+                       for v, wide in zip(jaxpr.outvars, asked))
     return outs
 
   # -- the environment -------------------------------------------------------
@@ -261,12 +244,15 @@ class _Evaluator:
 
   # -- casts -----------------------------------------------------------------
 
-  def concrete(self, x: Any) -> Any:
-    """``x`` as a value: moves done, its region bound (a virtual value rounded to half)."""
+  def concrete(self, x: Any, wide: bool = False) -> Any:
+    """``x`` as a value: moves done, its region bound (a virtual value rounded to half).
+
+    With ``wide``, a virtual value is returned in the float32 it is held in.
+    """
     if isinstance(x, Moved):
       return x.get(self)
     if isinstance(x, regions.Node):
-      target = regions.narrowed(x) if x.virtual is not None else x
+      target = regions.narrowed(x) if x.virtual is not None and not wide else x
       if not target.region.done:
         self.flush(target)
       return regions.concrete(target)
@@ -293,8 +279,8 @@ class _Evaluator:
       n = regions.convert(x, dtype)  # From the value it holds (a virtual one's float32).
       self.flush(n)
       return regions.concrete(n)
-    if is_constant_value(x) and dtype in HALVES:
-      return rules.saturate(x, dtype)
+    if dtype in HALVES:
+      x = values.saturated(x, dtype)
     return values.cast(x, dtype, self.casts)
 
   def pcast(self, x: Any, dtype: Any) -> Any:
@@ -386,7 +372,15 @@ class _Evaluator:
 
   def pending(self, eqn: Any, ins: list[Any], floats: list[int],
               decision: rules.Decision) -> tuple[list[Any], list[Any]]:
-    """``eqn`` in float32 as a region node (bound later, with its region)."""
+    """``eqn`` in float32 as a region node (bound later, with its region).
+
+    An operation that stores half and passes values through (a select, max,
+    clamp, pad) gets its constants saturated at the half dtype's largest
+    finite value first, as it would computing in half.
+    """
+    if decision.virtual is not None and eqn.primitive.name not in rules.ARITHMETIC:
+      ins = [values.saturated(x, decision.virtual) if i in floats else x
+             for i, x in enumerate(ins)]
     args = [self.pcast(x, F32) if i in floats
             else x if values.pending_of(x) is x else self.concrete(x)
             for i, x in enumerate(ins)]
@@ -432,11 +426,13 @@ class _Evaluator:
     if node is not None and node is x and new in HALVES and src == F32:
       view = regions.node(lambda v: v, [x], F32, x.shape, eqn, virtual=new)
       return [view], [meta._replace(kind=rules.HALF)]
-    if src in HALVES and new == F32:  # Asked for: float32 data, in a region.
-      kind = rules.CONST if meta.kind == rules.CONST else rules.DATA
-      if isinstance(x, regions.Node) and x.virtual is not None and not x.region.done:
-        return [regions.node(lambda v: v, [x], F32, x.shape, eqn)], [meta._replace(kind=kind)]
-      return [self.pcast(x, F32)], [meta._replace(kind=kind)]
+    if src in HALVES and new == F32:
+      if meta.kind == rules.CONST:
+        return [self.pcast(x, F32)], [meta]
+      # A half value in float32, as asked: the same activation, held exactly in float32.
+      view = regions.node(lambda v: v, [self.pcast(x, F32)], F32, x.shape, eqn, virtual=src)
+      view.asked = True
+      return [view], [meta]
     out = (np.asarray(x, new) if is_constant_value(x)  # A literal is narrowed as written.
            else self.pcast(x, new) if node is not None else self.cast(x, new))
     keep = new == F32 or meta.kind == rules.CONST

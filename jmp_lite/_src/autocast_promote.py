@@ -189,15 +189,15 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
     its dtype, as torch's activation kernels do.
   * With a strong operand the operation runs in float32 (as torch promotes
     tensors).
-  * Else, with an activation, the result is half: constants never widen it,
-    and neither do weak operands. An arithmetic operation with a weak
-    operand, a constant that does not fit the half dtype, or a virtual
-    operand computes in float32 and holds its result as a virtual half value
-    (rounded once, when it leaves its float32 region), as torch's fused
-    kernels do, and so does a comparison; other operations (selects, max,
-    data movement) cast the weak operands to half (constants
-    saturate at the half dtype's largest finite value, as ``jnp.finfo``'s
-    sentinels mean).
+  * Else, with an activation, the result is half: constants never widen it
+    (unless arithmetic meets one that overflows or underflows the half dtype:
+    ``log(p + 1e-8)`` in float16), and neither do weak operands. An arithmetic
+    operation with a weak or a virtual operand computes in float32 and holds
+    its result as a virtual half value (rounded once, when it leaves its
+    float32 region), as torch's fused kernels do, and so does a comparison;
+    other operations (selects, max, data movement) cast the weak operands to
+    half (constants saturate at the half dtype's largest finite value, as
+    ``jnp.finfo``'s sentinels mean).
   * With neither, the operation runs in the widest dtype among its
     non-constant operands, and a constant widens it only if it does not fit.
 
@@ -232,10 +232,11 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
   strong = [o for o in nonconst if o.dtype == F32 and (o.meta.total or (
       o.meta.info >= out_size and (o.meta.kind in (DATA, STAT)
                                    or (o.meta.kind == WIDE and o.meta.source not in mine))))]
-  store = _widest([o.dtype for o in acts]) if acts and not strong else F32
+  unfit = any(o.meta.kind == CONST and not o.fits for o in ops)
+  widen = strong or (unfit and name in ARITHMETIC)  # log(p + 1e-8) in float16
+  store = _widest([o.dtype for o in acts]) if acts and not widen else F32
   if store in HALVES:
     weak = any(o.dtype == F32 for o in nonconst)
-    unfit = any(o.meta.kind == CONST and not o.fits for o in ops)
     if any(o.virtual for o in nonconst) or (name in _EXACT_IN_F32 and (weak or unfit)):
       return Decision(F32, store, Meta(HALF, info, source))
     return Decision(store, None, Meta(HALF, info, source))
@@ -268,10 +269,32 @@ def saturate(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
   attention mask's sentinels, traced in float32) become the half dtype's.
 
   Examples:
-    >>> saturate(np.float32(-3.4e38), np.dtype("float16")), saturate(np.inf, np.dtype("float16"))
-    (np.float16(-65500.0), np.float16(inf))
+    >>> float(saturate(np.float32(-3.4e38), np.dtype("float16")))
+    -65504.0
+    >>> float(saturate(np.inf, np.dtype("float16")))
+    inf
   """
   v = np.asarray(value, np.float64)
   big = float(jnp.finfo(dtype).max)
   v = np.where(np.isfinite(v), np.clip(v, -big, big), v)
   return np.asarray(v, dtype)[()] if np.ndim(value) == 0 else np.asarray(v, dtype)
+
+
+def canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
+  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
+
+  A nested jit is evaluated once per input types and metas: renamed, the
+  metas of two calls that share their pattern of sources are equal.
+  """
+  names: dict[Any, int] = {}
+  out = [m if m is None or m.source is None
+         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
+  return out, {v: k for k, v in names.items()}
+
+
+def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
+  """Output metas of a body evaluated on :func:`canonical` metas, in the caller's sources."""
+  new: dict[Any, Any] = {}
+  return [m if m is None or m.source is None else m._replace(
+      source=back[m.source] if m.source in back else new.setdefault(m.source, fresh()))
+          for m in metas]

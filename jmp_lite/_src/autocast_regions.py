@@ -61,7 +61,7 @@ class Node:
   """
 
   __slots__ = ("op", "args", "dtype", "shape", "virtual", "context", "region", "value",
-               "seq", "narrowed")
+               "seq", "narrowed", "asked")
 
   def __init__(self, op: Callable[..., Any], args: Sequence[Any], dtype: np.dtype,
                shape: tuple[int, ...], context: Any, virtual: Union[np.dtype, None]) -> None:
@@ -69,6 +69,7 @@ class Node:
     self.virtual = virtual
     self.value: Any = None
     self.narrowed: Union[Node, None] = None
+    self.asked = False  # A virtual value the program cast to float32 (returned so).
     self.seq = next(_SEQ)
     self.args = [_settled(a) for a in args]
     self.region: Region = _join([a.region for a in self.args if isinstance(a, Node)])

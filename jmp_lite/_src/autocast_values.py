@@ -120,6 +120,15 @@ def constant_of(x: Any) -> Any:
   return None
 
 
+def saturated(x: Any, dtype: np.dtype) -> Any:
+  """A constant (or a move of one) saturated at ``dtype``'s largest finite value; else ``x``."""
+  if is_constant_value(x):
+    return rules.saturate(x, dtype) if jaxpr_utils.is_floating(value_dtype(x)) else x
+  if isinstance(x, Moved) and is_constant_value(x.src):
+    return Moved(saturated(x.src, dtype), x.steps)
+  return x
+
+
 def cast(x: Any, dtype: Any, cache: dict[Any, Any]) -> Any:
   """Concrete ``x`` in ``dtype``; literals stay NumPy constants, one convert per value."""
   if value_dtype(x) == dtype:
