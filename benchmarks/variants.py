@@ -19,6 +19,15 @@ is jitted with its state donated:
                 Without a GPU with FP8 tensor cores XLA emulates the float8
                 dots, so on a CPU it is slower, not faster. Not in the default
                 set; name it: ``--variants bf16_autocast,bf16_fp8``.
+  bf16_fp8_rowwise  ``bf16_fp8`` with ``Float8Recipe(scaling="rowwise")``: a scale
+                per row of each operand. Not in the default set.
+  fp32_step     jmp_lite ``make_train_step`` with the ``float32`` policy and plain
+                ``adam``: the library's step with no mixed precision, against
+                ``fp32``. Not in the default set.
+  bf16_lean     ``bf16`` with bfloat16 master weights
+                (``TrainState.create(master_dtype=jnp.bfloat16,
+                rounding="stochastic")``): 6 bytes per Adam parameter instead
+                of 12. Not in the default set.
   f16_noscale   the overhead baseline, written by hand with no loss scaling and
                 no skip logic at all: cast to f16, grad, adam, apply.
   jmp_dynamic   the classic hand-written jmp step: ``jmp.DynamicLossScale``,
@@ -51,6 +60,9 @@ VARIANTS = (
     "f16_autocast",
     "bf16_autocast",
     "bf16_fp8",
+    "bf16_fp8_rowwise",
+    "fp32_step",
+    "bf16_lean",
     "f16_noscale",
     "jmp_dynamic",
     "flax_dynamic",
@@ -63,13 +75,17 @@ LABELS = {
     "f16_autocast": "jmp_lite f16 + dynamic scaling, autocast",
     "bf16_autocast": "jmp_lite bf16, autocast",
     "bf16_fp8": "jmp_lite bf16, autocast + FP8 matmuls",
+    "bf16_fp8_rowwise": "jmp_lite bf16, autocast + FP8 matmuls, rowwise scales",
+    "fp32_step": "jmp_lite fp32 policy, plain adam",
+    "bf16_lean": "jmp_lite bf16, bf16 masters (stochastic)",
     "f16_noscale": "f16, no scaling (hand-written)",
     "jmp_dynamic": "jmp f16 + dynamic (hand-written)",
     "flax_dynamic": "Flax DynamicScale f16",
 }
 
 # What ``--variants all`` runs (``fp32_highest`` only on a GPU).
-ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8")
+ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise", "fp32_step",
+                   "bf16_lean")
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ONLY_WHEN_NAMED)
 
 LEARNING_RATE = 1e-3
@@ -252,7 +268,14 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
         precision="highest" if name == "fp32_highest" else None,
     )
     return Variant(name, jit(step), plain_init)
-  if name in ("bf16", "f16_dynamic", "f16_autocast", "bf16_autocast", "bf16_fp8"):
+  if name == "fp32_step":
+    return Variant(
+        name,
+        jmp_lite.make_train_step(problem.loss_fn, jmp_lite.get_policy("float32")),
+        lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=tx),
+    )
+  if name in ("bf16", "f16_dynamic", "f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise",
+              "bf16_lean"):
     if name.startswith("bf16"):
       policy = jmp_lite.get_policy("mixed_bfloat16")
       lib_tx = jmp_lite.static_loss_scaling(tx, 1.0)
@@ -261,12 +284,17 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
       lib_tx = jmp_lite.dynamic_loss_scaling(
           tx, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
       )
+    fp8_recipes = {"bf16_fp8": True,
+                   "bf16_fp8_rowwise": jmp_lite.Float8Recipe(scaling="rowwise")}
+    lean = {}
+    if name == "bf16_lean":
+      lean = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(0))
     return Variant(
         name,
         # Jitted, donates the state.
-        jmp_lite.make_train_step(problem.loss_fn, policy, autocast=name in ONLY_WHEN_NAMED,
-                                 fp8=name == "bf16_fp8"),
-        lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=lib_tx),
+        jmp_lite.make_train_step(problem.loss_fn, policy, autocast="autocast" in name or "fp8" in name,
+                                 fp8=fp8_recipes.get(name)),
+        lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=lib_tx, **lean),
         lambda s: jmp_lite.loss_scale_of(s.opt_state),
     )
   if name in ("jmp_dynamic", "flax_dynamic"):

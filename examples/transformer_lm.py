@@ -31,7 +31,11 @@ changes:
   with ``mixed_bfloat16`` and ``mixed_float16``: every matmul on float8
   operands with per-tensor current scaling, the rest as autocast. Without a
   GPU with FP8 tensor cores, XLA emulates them (slower than bf16). Their
-  results are named ``transformer_lm_fp8.*``.
+  results are named ``transformer_lm_fp8.*``;
+* ``fp8_bf16_keep_ends`` and ``fp8_bf16_rowwise`` (not run by default): FP8
+  steered with a ``jmp.Float8Recipe``: the first block and the read-out kept in
+  bf16 (``keep=r"params/(?:Block_0|Dense_0)/"``), or one scale per row
+  (``scaling="rowwise"``).
 
 The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
@@ -48,7 +52,7 @@ import argparse
 import dataclasses
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -71,6 +75,11 @@ MODES = {
     "autocast_bf16": ("mixed_bfloat16", True, False),
     "fp8_bf16": ("mixed_bfloat16", True, True),
     "fp8_f16": ("mixed_float16", True, True),
+    # FP8 steered (issue 30): the first block and the read-out kept in bf16, as
+    # Megatron's --first-last-layers-bf16 does; or one scale per row.
+    "fp8_bf16_keep_ends": ("mixed_bfloat16", True,
+                           jmp.Float8Recipe(keep=r"params/(?:Block_0|Dense_0)/")),
+    "fp8_bf16_rowwise": ("mixed_bfloat16", True, jmp.Float8Recipe(scaling="rowwise")),
 }
 DEFAULT_MODES = ("fp32", "mixed_f16", "autocast_f16", "autocast_bf16")
 
@@ -113,7 +122,7 @@ class Result:
   mode: str
   policy: str
   autocast: bool
-  fp8: bool
+  fp8: str  # "" (off), or the recipe: "fp8", "fp8 rowwise", "fp8 keep <rules>"
   valid_bpb: float  # bits per byte on the validation text
   train_loss: float  # mean of the last 50 steps, nats per byte
   step_ms: float
@@ -121,6 +130,23 @@ class Result:
   final_scale: float
   losses: np.ndarray
   finite: np.ndarray
+
+
+def describe_fp8(fp8: Any) -> str:
+  """A mode's FP8 setting in words, for the table.
+
+  Examples:
+    >>> describe_fp8(False), describe_fp8(True), describe_fp8(jmp.Float8Recipe(scaling="rowwise"))
+    ('', 'fp8', 'fp8 rowwise')
+    >>> describe_fp8(jmp.Float8Recipe(keep="Block_0"))
+    'fp8 keep Block_0'
+  """
+  recipe = jmp.Float8Recipe() if fp8 is True else fp8
+  if not recipe:
+    return ""
+  words = ["fp8"] + (["rowwise"] if recipe.scaling == "rowwise" else [])
+  words += [f"keep {' '.join(map(str, recipe.keep))}"] if recipe.keep else []
+  return " ".join(words)
 
 
 def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
@@ -140,7 +166,7 @@ def loss_fn(model: TransformerLM, params, batch, naive: bool = False) -> jax.Arr
 
 
 def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, batch: int,
-             fp8: bool = False) -> float:
+             fp8: Any = False) -> float:
   """Bits per byte over the validation text, in the mode's precision."""
   apply = model.apply
   if autocast:
@@ -161,8 +187,11 @@ def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, b
 
 def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.ndarray, *,
         steps: int, batch: int, seq_len: int, lr: float, seed: int, naive: bool = False,
-        progress: bool = True) -> Result:
-  """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``."""
+        progress: bool = True, trained: dict[str, Any] | None = None) -> Result:
+  """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``.
+
+  With ``trained`` (a dict), its ``"params"`` entry receives the final params.
+  """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
   policy_name, autocast, fp8 = MODES[mode]
@@ -185,13 +214,15 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "grads_finite")})
   metrics = jax.device_get(metrics)
+  if trained is not None:
+    trained["params"] = state.params
   losses = np.array([m["loss"] for m in metrics], np.float32)
   finite = np.array([bool(m["grads_finite"]) for m in metrics])
   return Result(
       mode=mode,
       policy=str(policy),
       autocast=autocast,
-      fp8=fp8,
+      fp8=describe_fp8(fp8),
       valid_bpb=evaluate(model, policy, autocast, state.params, valid, seq_len, batch, fp8),
       train_loss=float(losses[-50:].mean()),
       step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
@@ -208,7 +239,7 @@ def table(results: Sequence[Result]) -> str:
       [
           r.mode,
           r.policy,
-          ("yes, fp8" if r.fp8 else "yes") if r.autocast else "no",
+          (f"yes, {r.fp8}" if r.fp8 else "yes") if r.autocast else "no",
           f"{r.valid_bpb:.4f}",
           f"{100 * (r.valid_bpb / base.valid_bpb - 1):+.2f}%",
           f"{r.train_loss:.3f}",
@@ -276,6 +307,17 @@ def positive_int(text: str) -> int:
   return value
 
 
+def sensitivity(model: TransformerLM, params: Any, valid: np.ndarray,
+                args: argparse.Namespace) -> str:
+  """``jmp.fp8_sensitivity`` of the loss of the first mode's trained model, on validation text."""
+  starts = np.arange(args.batch) * (args.seq_len + 1)
+  b = windows(valid, starts, args.seq_len)
+  report = jmp.fp8_sensitivity(lambda p, b: loss_fn(model, p, b, False), params, b)
+  return (f"FP8 sensitivity of the {args.modes[0]} model after {args.steps} steps, on "
+          f"{args.batch} validation windows:\n\n```text\n{report}\n```\n\n"
+          f"Keep rule for the worst 3: `{report.keep_rule(3)}`")
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command-line parser."""
   p = _common.parser(__doc__)
@@ -302,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--loss", choices=("optax", "naive"), default="optax",
                  help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
                       "(results named transformer_lm_naive.*) (default: %(default)s)")
+  p.add_argument("--sensitivity", action="store_true",
+                 help="after training the first mode, print and write jmp.fp8_sensitivity of its "
+                      "model: which matmul FP8 hurts most (default: off)")
   _common.add_output_arguments(p, "a tiny model for a few steps, for CI")
   return p
 
@@ -336,15 +381,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         f"{_common.machine()}", flush=True)
   _common.announce_output(args.out)
   params = jax.jit(model.init)(*init_args)
-  results = []
+  results, trained = [], {}
   for mode in args.modes:
     policy_name, autocast, fp8 = MODES[mode]
     print(f"training {mode} (policy {policy_name}, autocast {autocast}"
           f"{', fp8' if fp8 else ''}) ...", flush=True)
     results.append(run(mode, model, params, train_tokens, valid_tokens, steps=args.steps,
                        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                       naive=args.loss == "naive", progress=not args.no_progress))
+                       naive=args.loss == "naive", progress=not args.no_progress,
+                       trained=trained if not results else None))
   text = table(results)
+  if args.sensitivity:
+    text += "\n" + sensitivity(model, trained["params"], valid_tokens, args) + "\n"
   print()
   print(text)
   if args.out is None:

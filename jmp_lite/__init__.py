@@ -7,11 +7,15 @@ optax loss-scaling transformation and a jit-compiled train step.
 from jmp_lite._src.autocast import autocast
 from jmp_lite._src.autocast_lists import AutocastLists
 from jmp_lite._src.fp8 import Float8Recipe
+from jmp_lite._src.fp8_sensitivity import Float8Sensitivity
+from jmp_lite._src.fp8_sensitivity import Float8SensitivityRow
+from jmp_lite._src.fp8_sensitivity import fp8_sensitivity
 from jmp_lite._src.grad_report import GradientReport
 from jmp_lite._src.grad_report import LeafStats
 from jmp_lite._src.grad_report import gradient_report
 from jmp_lite._src.grad_report import nonfinite_paths
 from jmp_lite._src.lint import LintFinding
+from jmp_lite._src.lint import LintFindings
 from jmp_lite._src.lint import precision_lint
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
@@ -41,9 +45,12 @@ __all__ = (
     "AutocastLists",
     "DynamicLossScale",
     "Float8Recipe",
+    "Float8Sensitivity",
+    "Float8SensitivityRow",
     "GradientReport",
     "LeafStats",
     "LintFinding",
+    "LintFindings",
     "LossScale",
     "LossScaleState",
     "NoOpLossScale",
@@ -57,6 +64,7 @@ __all__ = (
     "cast_to_full",
     "cast_to_half",
     "dynamic_loss_scaling",
+    "fp8_sensitivity",
     "get_policy",
     "gradient_report",
     "half_dtype",

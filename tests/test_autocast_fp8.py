@@ -95,10 +95,14 @@ def test_precision_report_counts_fp8_matmuls_forward_and_backward():
   fn = jmp.autocast(mlp, jnp.bfloat16, fp8=True)
   report = jmp.precision_report(fn, params, x)
   assert report.count("matmul") == report.count("matmul", E4M3) == 2
-  grad = jax.grad(lambda p, v: jnp.sum(fn(p, v).astype(F32)))
+  grad = jax.value_and_grad(lambda p, v: jnp.sum(fn(p, v).astype(F32)))
   report = jmp.precision_report(grad, params, x)
-  assert report.count("matmul", E4M3) == 2 and report.count("matmul", f"{E4M3}+{E5M2}") == 4
-  assert report.count("matmul") == 6
+  # dgrad and wgrad of the second matmul, wgrad of the first: the custom VJP also
+  # computes the first one's dgrad (of x, which nothing differentiates), which XLA
+  # drops and the report does not count (as it drops the second forward matmul of
+  # jax.grad, which does not return the loss).
+  assert report.count("matmul", E4M3) == 2 and report.count("matmul", f"{E4M3}+{E5M2}") == 3
+  assert report.count("matmul") == 5
 
 
 def test_lint_flags_fp8_gemm_dims_not_a_multiple_of_16():

@@ -109,19 +109,27 @@ def test_transformer_lm_smoke_trains_four_ways(tmp_path):
 @pytest.mark.slow
 def test_transformer_lm_smoke_fp8_modes(tmp_path):
   proc = _run_smoke("transformer_lm.py", tmp_path, "--modes", "autocast_bf16", "fp8_bf16",
-                    "fp8_f16")
+                    "fp8_f16", "fp8_bf16_keep_ends", "fp8_bf16_rowwise", "--sensitivity")
   assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
   assert "| mode          | policy             | autocast | valid bits/byte | vs autocast_bf16 " \
       in proc.stdout, proc.stdout
   payload = json.loads((tmp_path / "transformer_lm_fp8.json").read_text())
   results = payload["results"]
   assert [(r["mode"], r["autocast"], r["fp8"]) for r in results] == [
-      ("autocast_bf16", True, False), ("fp8_bf16", True, True), ("fp8_f16", True, True)]
+      ("autocast_bf16", True, ""), ("fp8_bf16", True, "fp8"), ("fp8_f16", True, "fp8"),
+      ("fp8_bf16_keep_ends", True, "fp8 keep params/(?:Block_0|Dense_0)/"),
+      ("fp8_bf16_rowwise", True, "fp8 rowwise")]
   assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
   bpb = [r["valid_bpb"] for r in results]
   assert max(bpb) < 1.01 * min(bpb)  # a few steps from the same weights: FP8 tracks bf16
   assert results[2]["final_scale"] >= 2.0**14
   assert (tmp_path / "transformer_lm_fp8.png").read_bytes().startswith(b"\x89PNG")
+  # The sensitivity table: one row per matmul of the smoke model (1 block: q, k, v,
+  # scores, values, out, 2 MLP; the read-out), and the keep rule of the worst three.
+  md = (tmp_path / "transformer_lm_fp8.md").read_text()
+  assert "FP8 sensitivity of the autocast_bf16 model" in md and "Keep rule for the worst 3: `(?:^|/)(?:" in md
+  rows = md.split("```text\n")[1].split("```")[0].splitlines()[2:]
+  assert len(rows) == 9 and sum(r.startswith("params/Block_0/") for r in rows) == 6, rows
 
 
 @pytest.fixture

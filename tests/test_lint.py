@@ -161,3 +161,201 @@ def test_lint_accepts_a_string_leaf_in_the_batch():
   assert [f.op for f in found] == [f.op for f in expected] == [
       "dot_general", "dot_general", "softmax/logsumexp"]
   assert [f.reason for f in found] == [f.reason for f in expected]
+
+
+# --- issue 29 item 4: why a matmul runs in float32 (recurrent carries) ---------------
+
+
+class LSTMClassifier(nn.Module):
+  """A stock ``nn.RNN(nn.OptimizedLSTMCell)``, carry from ``initialize_carry`` unless fixed."""
+
+  fix: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    cell = nn.OptimizedLSTMCell(32)
+    carry = None
+    if self.fix:  # The documented fix: the carry in the input's (compute) dtype.
+      carry = cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
+      carry = jax.tree.map(lambda c: c.astype(x.dtype), carry)
+    h = nn.RNN(cell)(x, initial_carry=carry)
+    return nn.Dense(8)(h[:, -1])
+
+
+def lstm_loss(fix):
+  model = LSTMClassifier(fix)
+  x = jax.random.normal(jax.random.key(1), (4, 5, 16))
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def loss_fn(params, x):
+    return jnp.mean(model.apply({"params": params}, x).astype(jnp.float32) ** 2)
+
+  return loss_fn, params, x
+
+
+CARRY = "a float32 carry of a scan/while"
+PINS = "a layer pins its dtype"
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_lint_names_the_float32_carry_of_a_flax_lstm(jit):
+  # Issue 29 item 4: initialize_carry makes a float32 carry, which promotes the
+  # recurrent matmul and the Dense after the RNN; lint blamed "a layer pins its dtype".
+  loss_fn, params, x = lstm_loss(fix=False)
+  fn = jax.jit(loss_fn) if jit else loss_fn
+  report = jmp.precision_report(fn, params, x, policy=F16)
+  assert report.counts["matmul"] == {"float16": 1, "float32": 2}  # input projection: f16
+  found = jmp.precision_lint(fn, params, x, policy=F16)
+  assert [f.op for f in found] == ["dot_general", "dot_general"]
+  for f in found:
+    assert f.reason.startswith("runs in float32 although the policy computes in float16: " + CARRY)
+    assert PINS not in f.reason and "initialize_carry" in f.reason and "autocast=True" in f.reason
+  lines = [f.source.split(":")[-1] for f in found]  # the RNN line, then the Dense line
+  assert lines[0] != lines[1] and all("LSTMClassifier.__call__" in f.source for f in found)
+  fixed_fn, fixed_params, _ = lstm_loss(fix=True)
+  fixed = jmp.precision_report(fixed_fn, fixed_params, x, policy=F16)
+  assert fixed.counts["matmul"] == {"float16": 3}
+  assert jmp.precision_lint(fixed_fn, fixed_params, x, policy=F16) == []
+  assert jmp.precision_lint(fn, params, x, policy=F16, autocast=True) == []
+
+
+def gru_loss(cell, xs, carry_dtype=None):
+  def step(h, x):
+    h = cell(x, h)
+    return h, h
+
+  h0 = jnp.zeros((cell.hidden_size,), carry_dtype or jnp.float32)
+  h, _ = jax.lax.scan(step, h0 if carry_dtype is None else h0.astype(xs.dtype), xs)
+  return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def test_lint_names_the_float32_carry_of_an_equinox_gru():
+  cell = eqx.nn.GRUCell(16, 32, key=jax.random.key(0))
+  xs = jax.random.normal(jax.random.key(1), (5, 16))
+  found = jmp.precision_lint(gru_loss, cell, xs, policy=F16)
+  assert len(found) == 1 and found[0].reason.split(": ")[1].startswith(CARRY)
+  assert "gru_loss.<locals>.step" in found[0].source
+  report = jmp.precision_report(gru_loss, cell, xs, policy=F16)
+  assert report.counts["matmul"] == {"float16": 1, "float32": 1}  # weight_ih @ x: f16
+  fixed = lambda c, x: gru_loss(c, x, carry_dtype=x.dtype)  # jnp.zeros(hidden, x.dtype)
+  assert jmp.precision_report(fixed, cell, xs, policy=F16).counts["matmul"] == {"float16": 2}
+  assert jmp.precision_lint(fixed, cell, xs, policy=F16) == []
+
+
+def test_lint_tells_carries_random_draws_kept_leaves_and_pinned_layers_apart():
+  def loss_fn(params, batch):
+    w = params["w"]
+    carry = jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), jnp.ones((2, 8)))
+    drawn = jax.random.normal(batch["key"], (2, 8)) @ w  # float32 noise: no dtype given
+    pinned = batch["x"].astype(jnp.float32) @ w.astype(jnp.float32)
+    kept = batch["t"] @ w
+    embedded = jax.nn.one_hot(batch["label"], 8) @ w  # one_hot: float32 by default
+    return sum(jnp.sum(v.astype(jnp.float32)) for v in (carry, drawn, pinned, kept, embedded))
+
+  params = {"w": jnp.ones((8, 8))}
+  batch = {"x": jnp.ones((2, 8)), "t": jnp.ones((2, 8)), "key": jax.random.key(0),
+           "label": jnp.arange(2)}
+  found = jmp.precision_lint(loss_fn, params, batch, policy=F16, batch_keep_full=("t",))
+  causes = [f.reason.split(": ")[1].split(" (")[0] for f in found]
+  made = "a float32 value made inside the function"
+  assert causes == [CARRY, "a random draw made in float32 inside the function",
+                    PINS, "a batch leaf passed in float32", made]
+  assert "x.dtype" in found[1].reason and "jnp.zeros(shape, x.dtype)" in found[4].reason
+  # Without the keep rule the fourth matmul runs in float16; cast_batch=False keeps them all.
+  assert len(jmp.precision_lint(loss_fn, params, batch, policy=F16)) == 4
+  uncast = jmp.precision_lint(loss_fn, params, batch, policy=F16, cast_batch=False)
+  assert [f.reason.split(": ")[1].split(" (")[0] for f in uncast][1:] == [
+      "a random draw made in float32 inside the function", "a batch leaf passed in float32",
+      "a batch leaf passed in float32", made]
+
+
+def test_a_kept_param_is_named_and_a_promotion_convert_is_not_a_cause():
+  policy = F16.with_keep_full("norm")
+  params = {"norm": jnp.ones(8), "w": jnp.ones((8, 8))}
+  found = jmp.precision_lint(lambda p, x: jnp.sum((x * p["norm"]) @ p["w"]), params,
+                             jnp.ones((2, 8)), policy=policy)
+  assert [f.reason.split(": ")[1] for f in found if f.op == "dot_general"] == [
+      "a param that a keep rule keeps in float32; build the step with autocast=True, or "
+      "cast the kept layer's output to float16"]
+  # Running statistics in the model state (never cast), used as they are.
+  state = {"mean": jnp.zeros(8)}
+  found = jmp.precision_lint(lambda p, s, x: (jnp.sum((x - s["mean"]) @ p["w"]), s), params,
+                             jnp.ones((2, 8)), policy=F16, model_state=state)
+  assert [f.reason.split(": ")[1].split(" (")[0] for f in found] == [
+      "a float32 model-state leaf"]
+
+
+# --- issue 29 item 4: repeated findings are grouped when printed ----------------------
+
+
+class PinnedStack(nn.Module):
+  """Twelve identical pinned blocks, as a ViT's encoder (one source line, twelve findings)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.astype(jnp.float32)
+    for _ in range(12):
+      x = nn.Dense(16, dtype=jnp.float32)(x)  # PINNED LINE
+    return nn.Dense(10)(x)  # output features 10: an alignment finding too
+
+
+def test_repeated_findings_print_as_one_line_with_a_count():
+  model = PinnedStack()
+  params = model.init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+  loss_fn = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+  found = jmp.precision_lint(loss_fn, params, jnp.ones((2, 16)), policy=F16)
+  assert isinstance(found, list) and isinstance(found, jmp.LintFindings)
+  assert len(found) == 13 and all(isinstance(f, jmp.LintFinding) for f in found)
+  assert len({f.reason for f in found}) == 1  # the 10-wide head runs in float32 too
+  assert found == list(found) and found[3] == found[3]._replace()
+  lines = str(found).splitlines()
+  assert len(lines) == 1
+  where, rest = lines[0].split(": dot_general (13 times): ")
+  assert rest == found[0].reason
+  # Two distinct lines (the loop's Dense and the head), each named once.
+  assert where.count("PinnedStack.__call__") == 2 and "more places" not in where
+  assert found.summary(max_sources=1).startswith(found[0].source + " and 1 more places: ")
+  with pytest.raises(ValueError, match="max_sources must be an int >= 1, got 0"):
+    found.summary(max_sources=0)
+  single = jmp.LintFindings(found[:1])
+  assert str(single) == str(found[0])
+  assert str(jmp.LintFindings()) == ""
+
+
+# --- issue 31 item 3: an autocast function lints as autocast=True ----------------------
+
+
+def sum_then_matmul(p, x):
+  h = x @ p["w1"]
+  h = h / jnp.sum(h, axis=-1, keepdims=True)  # a float32 sum under autocast, cast for the matmul
+  return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_linting_an_autocast_function_gives_the_findings_of_autocast_true(fp8, dtype):
+  # Issue 31 item 3: lint reported "reduce_sum of float16 data returns float16"
+  # for a jnp.sum that autocast runs in float32.
+  params = {"w1": jnp.ones((16, 24)), "w2": jnp.ones((24, 16))}  # 24: not a multiple of 16
+  x = jnp.ones((8, 16))
+  policy = "mixed_float16" if dtype == jnp.float16 else "mixed_bfloat16"
+  wrapped = jmp.autocast(sum_then_matmul, dtype, fp8=fp8)
+  flagged = jmp.precision_lint(sum_then_matmul, params, x, policy=policy, autocast=True, fp8=fp8)
+  assert jmp.precision_lint(wrapped, params, x, policy=policy) == flagged
+  assert jmp.precision_lint(jax.jit(wrapped), params, x, policy=policy) == flagged
+  assert not [f for f in flagged if f.op.startswith("reduce")]
+  assert len(flagged) == (2 if fp8 else 0)  # the FP8 GEMMs' 24s
+  report = jmp.precision_report(wrapped, params, x, policy=policy)
+  assert report == jmp.precision_report(sum_then_matmul, params, x, policy=policy,
+                                        autocast=True, fp8=fp8)
+
+
+def test_only_the_autocast_function_itself_is_recognised():
+  # jax.grad and functools.wraps copy a function's attributes: grad(autocast(f))
+  # is linted as it is, never as autocast(f).
+  params, x = {"w1": jnp.ones((16, 24)), "w2": jnp.ones((24, 16))}, jnp.ones((8, 16))
+  wrapped = jmp.autocast(sum_then_matmul, jnp.float16)
+  grad = jax.grad(wrapped)
+  assert jmp.precision_report(grad, params, x, policy=F16).count("matmul") == 5
+  with pytest.raises(ValueError, match="fp8=None; got fp8=True"):
+    jmp.precision_lint(wrapped, params, x, policy=F16, fp8=True)

@@ -187,3 +187,138 @@ def test_nnx_batchnorm_with_float32_statistics_promotes_the_layers_after_it():
   assert [f.op for f in lint if f.reason.startswith("runs in float32")] == ["dot_general"]
   fixed = jmp.precision_report(loss_fn, params, x, autocast=True, **kw)
   assert (fixed.count("conv", "float16"), fixed.count("matmul", "float16")) == (1, 1)
+
+
+# --- issue 29 item 5 and issue 31 item 8: fp8=, the backward pass, the step's batch options ----
+
+
+def mlp_loss(params, batch):
+  h = jax.nn.relu(batch["x"] @ params["w1"])
+  return jnp.mean(((h @ params["w2"]).astype(F32) - batch["y"]) ** 2)
+
+
+def mlp_problem():
+  params = {"w1": jax.random.normal(jax.random.key(0), (32, 64)) * 0.1,
+            "w2": jax.random.normal(jax.random.key(1), (64, 16)) * 0.1}
+  batch = {"x": jax.random.normal(jax.random.key(2), (8, 32)),
+           "y": jax.random.normal(jax.random.key(3), (8, 16))}
+  return params, batch
+
+
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_backward_counts_the_steps_gradient_of_the_autocast_loss(policy):
+  # Forward: two matmuls. Backward with respect to the params: dW2, dh and dW1
+  # (the batch is not differentiated, so x @ w1 has no dx matmul).
+  params, batch = mlp_problem()
+  half = policy.split("_")[1]
+  forward = jmp.precision_report(mlp_loss, params, batch, policy=policy, autocast=True)
+  both = jmp.precision_report(mlp_loss, params, batch, policy=policy, autocast=True, backward=True)
+  assert forward.counts["matmul"] == {half: 2}
+  assert both.counts["matmul"] == {half: 5}
+  # The same as grad(autocast(fn)) written out by hand, on the arguments the step casts.
+  p = jmp.get_policy(policy)
+  by_hand = jmp.precision_report(jax.grad(jmp.autocast(mlp_loss, p.compute_dtype)),
+                                 p.cast_to_compute(params), p.cast_to_compute(batch))
+  assert by_hand.counts["matmul"] == both.counts["matmul"]
+  # A pinned float32 layer stays float32 in the backward pass without autocast.
+  def pinned(params, batch):
+    return mlp_loss(jax.tree.map(lambda w: w.astype(F32), params),
+                    jax.tree.map(lambda v: v.astype(F32), batch))
+  plain = jmp.precision_report(pinned, params, batch, policy=policy, backward=True)
+  assert plain.counts["matmul"] == {"float32": 5}
+
+
+def test_backward_fp8_gemms_are_counted_as_fp8():
+  params, batch = mlp_problem()
+  report = jmp.precision_report(mlp_loss, params, batch, policy="mixed_bfloat16", autocast=True,
+                                fp8=True, backward=True)
+  # The custom VJP also computes the batch's cotangent of x @ w1; nothing reads it,
+  # so XLA drops it, and so does the report.
+  assert report.counts["matmul"] == {E4M3: 2, f"{E4M3}+{E5M2}": 3}
+  recipe = jmp.Float8Recipe(forward=jnp.float8_e5m2, backward=jnp.float8_e5m2)
+  swapped = jmp.precision_report(mlp_loss, params, batch, policy="mixed_float16", autocast=True,
+                                 fp8=recipe)
+  assert swapped.counts["matmul"] == {E5M2: 2}
+  wrapped = jmp.autocast(mlp_loss, jnp.bfloat16, fp8=True)  # the documented FP8 lint/report
+  assert jmp.precision_report(wrapped, params, batch, policy="mixed_bfloat16",
+                              backward=True) == report
+
+
+def test_backward_follows_the_steps_loss_fn_conventions():
+  params, batch = mlp_problem()
+  with_aux = lambda p, b: (mlp_loss(p, b), {"h": b["x"] @ p["w1"]})
+  aux = jmp.precision_report(with_aux, params, batch, policy="mixed_float16", backward=True,
+                             has_aux=True)
+  assert aux.count("matmul", F16) == 6  # the aux matmul runs once more, forward only
+  with pytest.raises(TypeError, match="has_aux=True"):
+    jmp.precision_report(with_aux, params, batch, policy="mixed_float16", backward=True)
+  stats = {"mean": jnp.zeros(32)}
+
+  def with_state(p, s, b):
+    x = b["x"] - s["mean"].astype(b["x"].dtype)
+    return mlp_loss(p, {**b, "x": x}), {"mean": jnp.mean(b["x"].astype(F32), axis=0)}
+
+  state = jmp.precision_report(with_state, params, batch, policy="mixed_float16",
+                               model_state=stats, backward=True)
+  assert state.count("matmul", F16) == 5
+  with pytest.raises(TypeError, match=r"\(loss, new_model_state\)"):
+    jmp.precision_report(mlp_loss, params, batch, policy="mixed_float16",
+                         model_state=stats, backward=True)
+
+
+def test_grad_of_the_loss_under_autocast_is_refused():
+  # Issue 31 item 8: precision_report(jax.grad(fn), autocast=True) counted
+  # autocast(grad(fn)), which the step never runs.
+  params, batch = mlp_problem()
+  for grad in (jax.grad(mlp_loss), jax.value_and_grad(mlp_loss)):
+    with pytest.raises(ValueError, match="pass the loss itself with backward=True"):
+      jmp.precision_report(grad, params, batch, policy="mixed_float16", autocast=True)
+    with pytest.raises(ValueError, match="grad.autocast.fn.."):
+      jmp.precision_lint(grad, params, batch, policy="mixed_float16", autocast=True)
+  # Without autocast, grad(fn) is what the step differentiates (as given).
+  assert jmp.precision_report(jax.grad(mlp_loss), params, batch,
+                              policy="mixed_float16").count("matmul") == 5
+
+
+def test_batch_keep_full_and_cast_batch_trace_the_batch_as_the_step_casts_it():
+  params, batch = mlp_problem()
+  f16 = jmp.get_policy("mixed_float16")
+  cast = jmp.precision_report(mlp_loss, params, batch, policy=f16)
+  kept = jmp.precision_report(mlp_loss, params, batch, policy=f16, batch_keep_full=("x",))
+  uncast = jmp.precision_report(mlp_loss, params, batch, policy=f16, cast_batch=False)
+  assert cast.counts["matmul"] == {"float16": 2}
+  # A float32 input promotes the first matmul, and the relu keeps the second float32.
+  assert kept.counts["matmul"] == uncast.counts["matmul"] == {"float32": 2}
+  only_y = jmp.precision_report(mlp_loss, params, batch, policy=f16, batch_keep_full=("y",))
+  assert only_y.counts["matmul"] == {"float16": 2}
+  # What the step itself sees: loss_fn's argument dtypes under the same options.
+  seen = {}
+
+  def spy(params, batch):
+    seen.update({k: v.dtype for k, v in batch.items()})
+    return mlp_loss(params, batch)
+
+  state = jmp.TrainState.create(params=params, tx=__import__("optax").sgd(0.1))
+  jmp.make_train_step(spy, f16, batch_keep_full=("x",))(state, batch)
+  step_seen = dict(seen)
+  jmp.precision_report(spy, params, batch, policy=f16, batch_keep_full=("x",))
+  assert seen == step_seen == {"x": F32, "y": F16}
+
+
+def test_fp8_and_batch_options_are_checked_as_the_step_checks_them():
+  params, batch = mlp_problem()
+  f32, f16 = jmp.get_policy("float32"), jmp.get_policy("mixed_float16")
+  for policy, kwargs in [(f16, dict(fp8=True)), (f32, dict(autocast=True)),
+                         (f16, dict(fp8="e4m3")), (f16, dict(cast_batch=1))]:
+    with pytest.raises((TypeError, ValueError)) as from_step:
+      jmp.make_train_step(mlp_loss, policy, **kwargs)
+    with pytest.raises(from_step.type) as from_report:
+      jmp.precision_report(mlp_loss, params, batch, policy=policy, **kwargs)
+    assert str(from_report.value) == str(from_step.value)
+  with pytest.raises(TypeError, match="backward must be True or False, got 'yes'"):
+    jmp.precision_report(mlp_loss, params, batch, policy=f16, backward="yes")
+  with pytest.raises(ValueError, match="batch_keep_full=\\('y',\\) needs a policy"):
+    jmp.precision_report(mlp_loss, params, batch, batch_keep_full=("y",))

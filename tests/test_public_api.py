@@ -20,9 +20,10 @@ DOCUMENTED = {
     # Lean master weights.
     "apply_updates",
     # Autocast.
-    "autocast", "AutocastLists", "Float8Recipe",
+    "autocast", "AutocastLists", "Float8Recipe", "fp8_sensitivity", "Float8Sensitivity",
+    "Float8SensitivityRow",
     # Diagnostics.
-    "GradientReport", "LeafStats", "LintFinding", "gradient_report",
+    "GradientReport", "LeafStats", "LintFinding", "LintFindings", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
 }
 

@@ -16,7 +16,7 @@ higher-order primitives to (:mod:`autocast_control`), registered here.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, ParamSpec, TypeVar, Union
+from typing import Any, Callable, NamedTuple, ParamSpec, TypeVar, Union
 
 import jax
 import numpy as np
@@ -28,6 +28,8 @@ from jmp_lite._src import autocast_interpret as interp
 from jmp_lite._src import autocast_lists
 from jmp_lite._src import filtering
 from jmp_lite._src import fp8 as fp8_lib
+from jmp_lite._src import fp8_plan
+from jmp_lite._src import tree_utils
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -45,7 +47,23 @@ def _register() -> None:
 _register()
 
 
-def _check_dtype(dtype: Any) -> np.dtype:
+class AutocastCall(NamedTuple):
+  """What a function made by :func:`autocast` runs (its ``_jmp_autocast``), for the diagnostics."""
+
+  fun: Callable[..., Any]
+  dtype: np.dtype
+  lists: autocast_lists.AutocastLists
+  fp8: Union[fp8_lib.Float8Recipe, None]
+  params_first: bool = False  # FP8 keep rules see argument 0's paths unprefixed (the step).
+
+  def apply(self) -> Callable[..., Any]:
+    """The autocast function this record describes, made anew."""
+    cfg = interp._Config(self.dtype, self.lists, self.fp8)
+    return _wrap(self.fun, cfg, self.params_first)
+
+
+def check_dtype(dtype: Any) -> np.dtype:
+  """``dtype`` as float16 or bfloat16, or autocast's error."""
   try:
     dt = np.dtype(dtype)
   except TypeError as e:
@@ -191,7 +209,49 @@ def autocast(
   lists = autocast_lists.AutocastLists() if lists is None else lists
   if not isinstance(lists, autocast_lists.AutocastLists):
     raise TypeError(f"lists must be a jmp_lite.AutocastLists, got {lists!r}")
-  cfg = interp._Config(_check_dtype(dtype), lists, fp8_lib.as_recipe(fp8))
+  cfg = interp._Config(check_dtype(dtype), lists, fp8_lib.as_recipe(fp8))
+  return _wrap(fun, cfg, params_first=False)
+
+
+def step_autocast(fun: Callable[P, T], dtype: DTypeLike,
+                  fp8: Union[fp8_lib.Float8Recipe, None]) -> Callable[P, T]:
+  """:func:`autocast` as ``make_train_step`` applies it to ``loss_fn(params, ...)``.
+
+  The same transform; only the paths that FP8 keep rules see differ: the
+  first argument's leaves (the params) are named by their paths within it
+  (``Dense_0/kernel``), as the policy's keep rules see them.
+  """
+  cfg = interp._Config(check_dtype(dtype), autocast_lists.AutocastLists(), fp8)
+  return _wrap(fun, cfg, params_first=True)
+
+
+def leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any], params_first: bool) -> list[str]:
+  """The path of each traced leaf of ``(args, kwargs)``, as FP8 keep rules see it.
+
+  Positional argument ``i``'s leaves begin with ``i/``, keyword argument
+  ``name``'s with ``name/``; with ``params_first``, argument 0's leaves have
+  no prefix.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> leaf_paths(({"w": jnp.ones(1), "act": "relu"}, jnp.ones(2)), {"b": jnp.ones(1)}, False)
+    ['0/w', '1', 'b']
+    >>> leaf_paths(({"w": jnp.ones(1)}, {"x": jnp.ones(2)}), {}, True)
+    ['w', '1/x']
+  """
+  found = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+    if not filtering.is_traced(leaf):
+      continue
+    where, *rest = path[1:]
+    head = "" if (params_first and path[0].idx == 0 and where.idx == 0) else (
+        str(where.idx) if path[0].idx == 0 else str(where.key))
+    found.append("/".join(p for p in (head, tree_utils.path_str(tuple(rest))) if p))
+  return found
+
+
+def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Callable[P, T]:
+  """``fun`` traced and evaluated under ``cfg`` on each call (see :func:`autocast`)."""
 
   @functools.wraps(fun)
   def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -205,7 +265,14 @@ def autocast(
       return out_traced
 
     closed = _trace(traced_fun, traced)
-    outs = interp.eval_closed(closed, jax.tree.leaves(traced), cfg)
+    leaves = jax.tree.leaves(traced)
+    plan = None
+    if cfg.fp8 is not None:  # Which matmuls run in FP8: keep rules, sizes.
+      plan = fp8_plan.plan(closed.jaxpr, leaf_paths(args, kwargs, params_first), leaves, cfg.fp8)
+    with fp8_plan.active(plan):
+      outs = interp.eval_closed(closed, leaves, cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])
 
+  wrapped._jmp_autocast = AutocastCall(  # type: ignore[attr-defined]
+      fun, cfg.dtype, cfg.lists, cfg.fp8, params_first)
   return wrapped

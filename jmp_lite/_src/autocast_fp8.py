@@ -1,8 +1,8 @@
 """Autocast's FP8 rule: half-list matmuls on float8 operands (issue 23).
 
 With ``autocast(fun, dtype, fp8=...)`` the interpreter's config carries a
-:class:`fp8.Float8Recipe`; :func:`rule` is registered for ``dot_general`` (see
-:mod:`autocast`) and runs each half-list matmul as :func:`fp8.fp8_dot_general`
+:class:`jmp_lite.Float8Recipe`; :func:`rule` is registered for ``dot_general`` (see
+:mod:`autocast`) and runs each half-list matmul as :func:`fp8_dot.fp8_dot_general`
 on the operands the interpreter has already cast to the half dtype, with the
 equation's own dimension numbers and precision and the result in the half
 dtype (or the ``preferred_element_type`` the user asked for). Without a recipe
@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Union
 
 from jmp_lite._src import autocast_interpret as interp
-from jmp_lite._src import fp8
+from jmp_lite._src import fp8_dot
+from jmp_lite._src import fp8_plan
 
 
 def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None]:
@@ -22,13 +23,13 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
 
   The ordinary bind runs when FP8 is off (``cfg.fp8 is None``), when an
   operand is not in the half dtype (an integer operand), or when the
-  equation fixes an output sharding (which :func:`fp8.fp8_dot_general` does
+  equation fixes an output sharding (which :func:`fp8_dot.fp8_dot_general` does
   not take).
 
   Args:
     eqn: the ``dot_general`` equation.
     ins: its operands, cast to ``cfg.dtype`` by the interpreter.
-    cfg: the autocast config; ``cfg.fp8`` is a :class:`fp8.Float8Recipe` or
+    cfg: the autocast config; ``cfg.fp8`` is a :class:`jmp_lite.Float8Recipe` or
       ``None``.
 
   Returns:
@@ -39,16 +40,18 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
     >>> import jmp_lite as jmp
     >>> x = jnp.array([[1.0, 2.0], [3.0, 1000.0]])
     >>> jmp.autocast(lambda a: a @ a, jnp.bfloat16, fp8=True)(x).tolist()
-    [[6.96875, 1952.0], [3088.0, 999424.0]]
+    [[6.9375, 1952.0], [3072.0, 999424.0]]
   """
   recipe = cfg.fp8
   if recipe is None or eqn.params.get("out_sharding") is not None:
+    return None
+  if not fp8_plan.decide(eqn, recipe):  # Kept by a rule, too small, or not selected.
     return None
   lhs, rhs = ins
   if interp.value_dtype(lhs) != cfg.dtype or interp.value_dtype(rhs) != cfg.dtype:
     return None
   params = interp.retarget(eqn, cfg.dtype)
-  return [fp8.fp8_dot_general(
+  return [fp8_dot.fp8_dot_general(
       lhs, rhs, params["dimension_numbers"], recipe=recipe,
       precision=params.get("precision"),
       preferred_element_type=params.get("preferred_element_type"))]

@@ -26,6 +26,10 @@ try:  # Frames of a trace. JAX has no public API for them yet; degrade to no sou
   from jax._src import source_info_util as _source_info_util
 except ImportError:  # pragma: no cover - depends on the JAX release.
   _source_info_util = None  # type: ignore[assignment]  # The fallback: no module.
+try:  # Dead-code elimination of a jaxpr: no public API either; degrade to none.
+  from jax._src.interpreters import partial_eval as _partial_eval
+except ImportError:  # pragma: no cover - depends on the JAX release.
+  _partial_eval = None  # type: ignore[assignment]  # The fallback: no module.
 
 # Packages whose frames are not "user code" when naming a source line.
 LIBRARIES = ("jax", "flax", "optax", "chex", "equinox", "haiku", "jmp", "jmp_lite")
@@ -51,6 +55,26 @@ def walk(jaxpr: Any) -> Iterator[Any]:
     yield eqn
     for sub in subjaxprs(eqn):
       yield from walk(sub)
+
+
+def without_dead_code(jaxpr: Any) -> Any:
+  """``jaxpr`` less the equations whose outputs reach no output, as XLA drops them.
+
+  A ``custom_vjp`` backward (an FP8 matmul's) computes the cotangents of all
+  its inputs, also those nothing differentiates (the batch's); the compiled
+  program does not. The inputs that nothing reads are dropped too. Returns
+  ``jaxpr`` itself if this JAX release has no ``dce_jaxpr``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> jaxpr = jax.make_jaxpr(lambda x: (jnp.sin(x), jnp.cos(x))[0])(1.0).jaxpr
+    >>> [e.primitive.name for e in without_dead_code(jaxpr).eqns]
+    ['sin']
+  """
+  dce = getattr(_partial_eval, "dce_jaxpr", None)
+  if dce is None:  # pragma: no cover - depends on the JAX release.
+    return jaxpr
+  return dce(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
 def dtype_of(v: Any) -> Union[np.dtype, None]:
@@ -198,13 +222,16 @@ def library_roots() -> tuple[str, ...]:
   return tuple(roots)
 
 
-def source_of(eqn: Any, roots: tuple[str, ...]) -> Union[str, None]:
-  """``"file:line (function)"`` of the first frame outside ``roots``, or ``None``."""
+def source_of(eqn: Any, roots: tuple[str, ...], fallback: bool = True) -> Union[str, None]:
+  """``"file:line (function)"`` of the first frame outside ``roots``, or ``None``.
+
+  Without such a frame: the first frame inside ``roots`` if ``fallback``, else ``None``.
+  """
   if _source_info_util is None or eqn is None:
     return None
   frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
   user = [f for f in frames if not os.path.abspath(f.file_name).startswith(roots)]
-  if not (user or frames):
+  if not (user or (frames and fallback)):
     return None
   frame = (user or frames)[0]
   name = frame.file_name

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 import jax.numpy as jnp
 
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import fp8 as fp8_lib
 from jmp_lite._src import precision_report
+from jmp_lite._src import provenance
 from jmp_lite._src import step_trace
 
 _F16 = np.dtype(jnp.float16)
@@ -27,6 +30,7 @@ _F16_ELEMENTWISE = {
 _SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
                         "convert_element_type"})
 _SCALE_OPS = _SHAPE_OPS | {"div", "mul"}
+_UNKNOWN = "<unknown source>"
 
 
 class LintFinding(NamedTuple):
@@ -45,7 +49,62 @@ class LintFinding(NamedTuple):
   source: Union[str, None]
 
   def __str__(self) -> str:
-    return f"{self.source or '<unknown source>'}: {self.op}: {self.reason}"
+    return f"{self.source or _UNKNOWN}: {self.op}: {self.reason}"
+
+
+class LintFindings(list[LintFinding]):
+  """The findings of :func:`precision_lint`: a list of :class:`LintFinding`, in program order.
+
+  It is a plain ``list`` (index it, iterate it, compare it with a list); only
+  printing differs: ``str(findings)`` (and ``print``) groups the findings
+  that differ only in their source, the same op for the same reason (a
+  12-layer model's 12 float32 matmuls), into one line with a count and the
+  first few sources (:meth:`summary`).
+  """
+
+  def summary(self, max_sources: int = 3) -> str:
+    """One line per distinct ``(op, reason)``, in order of first appearance.
+
+    A finding seen once prints as ``str(finding)``; one seen ``n`` times as
+    ``"src1, src2, src3 and k more places: op (n times): reason"``, with the
+    distinct sources in program order.
+
+    Args:
+      max_sources: how many distinct sources a line names (at least 1).
+
+    Returns:
+      The lines, joined by newlines (``""`` for no findings).
+
+    Raises:
+      ValueError: if ``max_sources`` is not an int >= 1.
+
+    Examples:
+      >>> findings = LintFindings([LintFinding("exp", "overflows", f"m.py:{i} (f)")
+      ...                          for i in (1, 2, 3, 4, 1)])
+      >>> print(findings.summary(max_sources=2))
+      m.py:1 (f), m.py:2 (f) and 2 more places: exp (5 times): overflows
+      >>> len(findings), findings[1].source
+      (5, 'm.py:2 (f)')
+    """
+    if isinstance(max_sources, bool) or not isinstance(max_sources, int) or max_sources < 1:
+      raise ValueError(f"max_sources must be an int >= 1, got {max_sources!r}")
+    groups: dict[tuple[str, str], list[LintFinding]] = {}
+    for f in self:
+      groups.setdefault((f.op, f.reason), []).append(f)
+    lines = []
+    for (op, reason), members in groups.items():
+      if len(members) == 1:
+        lines.append(str(members[0]))
+        continue
+      sources = list(dict.fromkeys(m.source or _UNKNOWN for m in members))
+      where = ", ".join(sources[:max_sources])
+      if len(sources) > max_sources:
+        where += f" and {len(sources) - max_sources} more places"
+      lines.append(f"{where}: {op} ({len(members)} times): {reason}")
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.summary()
 
 
 def _to_f16(eqn: Any) -> bool:
@@ -90,50 +149,102 @@ def _alignment(eqn: Any, dtype: str) -> Union[str, None]:
           "tensor cores need multiples of 8 (pad the layer)")
 
 
-def _pinned(eqn: Any, dtype: str, compute: np.dtype) -> Union[str, None]:
+# Why a matmul runs in float32 under a half policy (provenance labels), and the fix.
+_CAUSES = {
+    "carry": "a float32 carry of a scan/while (its initial value is made in float32 inside "
+             "the function: Flax's initialize_carry, jnp.zeros((hidden,)))",
+    "random": "a random draw made in float32 inside the function "
+              "(jax.random.normal(key, shape) without a dtype)",
+    "made": "a float32 value made inside the function (jnp.zeros/ones/arange or "
+            "jax.nn.one_hot without a dtype, a float32 constant)",
+    "state": "a float32 model-state leaf (running statistics, which the step never casts)",
+    "param": "a param that a keep rule keeps in float32",
+    "batch": "a batch leaf passed in float32 (batch_keep_full or cast_batch=False)",
+    "upcast": "a layer pins its dtype (a Flax/Equinox layer built with dtype=float32 or "
+              "None, or an x.astype(float32) before it)",
+}
+_FIXES = {
+    "carry": "build the carry in the compute dtype "
+             "(jax.tree.map(lambda c: c.astype(x.dtype), cell.initialize_carry(...)), "
+             "jnp.zeros(..., x.dtype))",
+    "random": "draw in the compute dtype (jax.random.normal(key, shape, x.dtype))",
+    "made": "make it in the compute dtype (jnp.zeros(shape, x.dtype))",
+    "state": "cast the layer's output to {compute}",
+    "param": "cast the kept layer's output to {compute}",
+    "batch": "cast that batch leaf to {compute}",
+    "upcast": "set the layer's dtype to {compute}",
+}
+
+
+def _pinned(
+    eqn: Any, dtype: str, compute: np.dtype, origins: provenance.Origins
+) -> Union[str, None]:
   """Why a float32 matmul/conv under a half policy is a finding, if it is one."""
   if compute not in _HALF or dtype != "float32":
     return None
-  return (f"runs in float32 although the policy computes in {compute.name}: a layer pins "
-          "its dtype (a Flax/Equinox layer built with dtype=float32 or None, or an "
-          "x.astype(float32) before it); build the step with autocast=True, or set the "
-          f"layer's dtype to {compute.name}")
+  causes = provenance.ordered(origins.cause(eqn.invars[:2])) or ["upcast"]
+  also = "".join(f"; also {_CAUSES[c]}" for c in causes[1:])
+  return (f"runs in float32 although the policy computes in {compute.name}: "
+          f"{_CAUSES[causes[0]]}{also}; build the step with autocast=True, or "
+          + _FIXES[causes[0]].format(compute=compute.name))
 
 
 def _lint_jaxpr(
-    jaxpr: Any, ctx: _Context, findings: list[LintFinding], outer: Union[str, None]
-) -> None:
-  """Appends the findings of ``jaxpr``; ``outer`` is the source of the eqn holding it."""
+    jaxpr: Any, ctx: _Context, findings: list[LintFinding], outer: Union[str, None],
+    inputs: Sequence[provenance.Labels],
+) -> list[provenance.Labels]:
+  """Appends the findings of ``jaxpr``; returns the labels of its outputs.
+
+  ``outer`` is the source of the equation holding ``jaxpr``, ``inputs`` the
+  provenance labels of its inputs.
+  """
   def source(eqn: Any) -> Union[str, None]:
-    return jaxpr_utils.source_of(eqn, ctx.roots) or outer  # Sub-jaxprs may lack tracebacks.
+    # Sub-jaxprs may lack tracebacks, or only frames inside a library (a Flax scan body).
+    return jaxpr_utils.source_of(eqn, ctx.roots, fallback=outer is None) or outer
 
   readers = jaxpr_utils.consumers(jaxpr)
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+  origins = provenance.Origins(jaxpr, inputs)
   explained: set[int] = set()  # Sums and logs already reported as part of a softmax.
   for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    in_dtype = jaxpr_utils.dtype_of(eqn.invars[0]) if eqn.invars else None
-    if name == "exp" and in_dtype == _F16 and _softmax(eqn, readers, explained):
-      findings.append(LintFinding(
-          "softmax/logsumexp",
-          "exp and its sum computed in float16: exp overflows above 11.1 and the result "
-          "has 11 bits; cast the logits to float32 first",
-          source(eqn)))
-    elif id(eqn) in explained:
-      pass
-    elif name in _F16_ELEMENTWISE and in_dtype == _F16:
-      findings.append(LintFinding(name, _F16_ELEMENTWISE[name], source(eqn)))
-    elif name in _REDUCTIONS:
-      reason = _reduction(eqn, in_dtype, readers, ctx)
-      if reason:
-        findings.append(LintFinding(name, reason, source(eqn)))
-    elif name in ("dot_general", "conv_general_dilated"):
-      dtype = precision_report.matmul_dtype(eqn, producers)
-      for reason in (_pinned(eqn, dtype, ctx.compute), _alignment(eqn, dtype)):
-        if reason and (dtype != "float32" or reason.startswith("runs")):
-          findings.append(LintFinding(name, reason, source(eqn)))
-    for sub in jaxpr_utils.subjaxprs(eqn):
-      _lint_jaxpr(sub, ctx, findings, source(eqn))
+    for op, reason in _eqn_findings(eqn, ctx, readers, producers, origins, explained):
+      findings.append(LintFinding(op, reason, source(eqn)))
+    origins.step(eqn, functools.partial(_lint_sub, ctx, findings, source, eqn))
+  return origins.outputs(jaxpr)
+
+
+def _lint_sub(
+    ctx: _Context, findings: list[LintFinding], source: Callable[[Any], Union[str, None]],
+    eqn: Any, sub: Any, inputs: list[provenance.Labels],
+) -> list[provenance.Labels]:
+  """Lints ``sub``, a jaxpr of ``eqn``: its findings fall back to ``eqn``'s source."""
+  return _lint_jaxpr(sub, ctx, findings, source(eqn), inputs)
+
+
+def _eqn_findings(
+    eqn: Any, ctx: _Context, readers: Any, producers: Any, origins: provenance.Origins,
+    explained: set[int],
+) -> list[tuple[str, str]]:
+  """The ``(op, reason)`` findings of one equation."""
+  name = eqn.primitive.name
+  in_dtype = jaxpr_utils.dtype_of(eqn.invars[0]) if eqn.invars else None
+  if name == "exp" and in_dtype == _F16 and _softmax(eqn, readers, explained):
+    return [("softmax/logsumexp",
+             "exp and its sum computed in float16: exp overflows above 11.1 and the result "
+             "has 11 bits; cast the logits to float32 first")]
+  if id(eqn) in explained:
+    return []
+  if name in _F16_ELEMENTWISE and in_dtype == _F16:
+    return [(name, _F16_ELEMENTWISE[name])]
+  if name in _REDUCTIONS:
+    reason = _reduction(eqn, in_dtype, readers, ctx)
+    return [(name, reason)] if reason else []
+  if name in ("dot_general", "conv_general_dilated"):
+    dtype = precision_report.matmul_dtype(eqn, producers)
+    reasons = (_pinned(eqn, dtype, ctx.compute, origins), _alignment(eqn, dtype))
+    return [(name, r) for r in reasons
+            if r and (dtype != "float32" or r.startswith("runs"))]
+  return []
 
 
 def _softmax(eqn: Any, readers: Any, explained: set[int]) -> bool:
@@ -164,14 +275,19 @@ def precision_lint(
     *args: Any,
     policy: Union[policy_lib.Policy, str],
     autocast: bool = False,
+    fp8: Union[bool, fp8_lib.Float8Recipe, None] = None,
     model_state: Any = None,
-) -> list[LintFinding]:
+    cast_batch: bool = True,
+    batch_keep_full: tuple[policy_lib.KeepRule, ...] = (),
+) -> LintFindings:
   """Lists the operations of ``fn(*args)`` that are risky under ``policy``.
 
   The policy is applied as ``make_train_step`` applies it: ``args[0]`` (the
   params) is cast with ``policy.cast_to_compute``, keep rules included, and the
   floating leaves of every other argument (the batch) are cast to
-  ``policy.compute_dtype``. The jaxpr of ``fn`` on those arguments
+  ``policy.compute_dtype`` unless ``cast_batch=False`` or a
+  ``batch_keep_full`` rule keeps them (as the step's options of the same
+  names do). The jaxpr of ``fn`` on those arguments
   (``jax.make_jaxpr``) is then read, sub-jaxprs (``jit``, ``custom_jvp``,
   ``scan``, ``cond``, ...) included. The rules:
 
@@ -204,28 +320,38 @@ def precision_lint(
   1 (matrix-vector products) are not flagged, nor is the row count of a
   matmul (the batch size). Each finding's source is the first stack frame
   outside jax, flax, optax, chex, equinox, haiku and jmp_lite (``None`` if
-  this JAX release does not expose tracebacks).
+  this JAX release does not expose tracebacks); inside a loop or call body
+  with no such frame (a Flax ``nn.RNN`` cell), the line that called it.
+
+  A matmul or convolution that runs in float32 under a half policy is a
+  finding, and the lint names why its operands are float32, following the
+  data flow back (:mod:`provenance`): a **float32 carry of a scan/while**
+  (Flax's ``initialize_carry`` and ``jnp.zeros((hidden,))`` make float32
+  carries, which promote every recurrent matmul), a random draw or another
+  float32 value made inside the function, a float32 model-state leaf (NNX
+  BatchNorm's statistics), a param or batch leaf kept in float32, or a layer
+  that pins its dtype (``dtype=jnp.float32``, or ``dtype=None`` after an
+  ``x.astype(None)``, which is float32). Each message says the fix;
+  ``autocast=True`` fixes them all. :func:`precision_report` counts what runs
+  in which dtype.
 
   With ``autocast=True`` the function is linted as
-  ``make_train_step(..., autocast=True)`` runs it: wrapped in
+  ``make_train_step(..., autocast=True, fp8=fp8)`` runs it: wrapped in
   :func:`autocast` with ``policy.compute_dtype``, after the casts above.
   Autocast runs exp, log and the reductions in float32 and keeps their
   results in float32, so the ``softmax/logsumexp``, ``exp``/``log`` and
   reduction findings go away (the float16 converts left are autocast's own
   casts of matmul inputs, which are not flagged); the alignment findings of
   its half-precision matmuls and convolutions stay, and the float32-matmul
-  findings of a model that pins its dtype go (autocast runs every matmul in
-  half).
+  findings go (autocast runs every matmul in half). A matmul on
+  quantise-dequantised float8 operands (``fp8=True``) is an FP8 GEMM: its
+  dimensions must be multiples of 16. A function made by
+  ``jmp.autocast(loss_fn, dtype, fp8=...)`` is linted as with
+  ``autocast=True`` (its own dtype, lists and recipe): the findings are the
+  same.
 
-  A matmul or convolution that runs in float32 under a half policy is a
-  finding: a layer pinned its dtype (a Flax module built with
-  ``dtype=jnp.float32``, or ``dtype=None`` after an ``x.astype(None)``,
-  which is float32), and the step would silently train in float32. Use
-  ``autocast=True`` or set the layer's dtype; :func:`precision_report`
-  counts what runs in which dtype. A matmul on quantise-dequantised float8
-  operands (``autocast(..., fp8=...)``) is an FP8 GEMM: its dimensions must
-  be multiples of 16. Linting ``autocast(fn, dtype)`` itself gives
-  the same findings.
+  The findings come back as a :class:`LintFindings` list; ``print`` it for
+  one line per distinct finding, repeats grouped with a count.
 
   Args:
     fn: the function, typically ``loss_fn(params, batch)``.
@@ -235,19 +361,24 @@ def precision_lint(
       they are, as in the train step).
     policy: a :class:`Policy` or a policy string for :func:`get_policy`.
     autocast: lint ``fn`` under :func:`autocast` (default ``False``).
+    fp8: with ``autocast``, the FP8 recipe, as ``make_train_step``'s
+      ``fp8=`` (``None``/``False``, ``True`` or a :class:`Float8Recipe`).
     model_state: the state's model state (BatchNorm statistics), or ``None``.
       Given, ``fn`` is called as ``fn(args[0], model_state, *args[1:])`` and
       ``model_state`` is not cast, as the step calls
       ``loss_fn(params, model_state, batch)``.
+    cast_batch: cast the floating leaves of ``args[1:]`` (default), as the step.
+    batch_keep_full: keep rules for ``args[1:]``, as the step's.
 
   Returns:
-    The findings, in program order.
+    The findings, in program order (a :class:`LintFindings`).
 
   Raises:
-    TypeError: if ``policy`` is neither a Policy nor a string, or
-      ``autocast`` is not a bool.
+    TypeError: if ``policy`` is neither a Policy nor a string, a flag is not
+      a bool, or ``fp8`` is not ``None``, a bool or a :class:`Float8Recipe`.
     ValueError: if ``autocast`` is set and the policy's compute dtype is not
-      float16 or bfloat16.
+      float16 or bfloat16, ``fp8`` is set without ``autocast``, or
+      ``autocast`` is set on a ``jax.grad`` function.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -267,10 +398,14 @@ def precision_lint(
     ['dot_general']
   """
   policy = step_trace.as_policy(policy)
-  jaxpr = step_trace.trace(fn, args, policy, autocast, model_state)
+  step = step_trace.as_step(fn, policy, autocast=autocast, fp8=fp8, cast_batch=cast_batch,
+                            batch_keep_full=batch_keep_full)
+  traced = step_trace.trace(step, args, model_state)
+  jaxpr = traced.jaxpr
   roots = jaxpr_utils.library_roots()
-  findings: list[LintFinding] = []
-  _lint_jaxpr(jaxpr, _Context(roots, np.dtype(policy.compute_dtype), autocast), findings, None)
+  findings = LintFindings()
+  ctx = _Context(roots, np.dtype(policy.compute_dtype), step.autocast is not None)
+  _lint_jaxpr(jaxpr, ctx, findings, None, provenance.input_labels(jaxpr, traced.roles))
   out = jaxpr.outvars[0] if jaxpr.outvars else None
   if out is not None and jaxpr_utils.dtype_of(out) == _F16 and out.aval.shape == ():
     producer = next((e for e in jaxpr.eqns if out in e.outvars), None)

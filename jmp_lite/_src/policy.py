@@ -94,7 +94,13 @@ def normalize_dtype(dtype: DTypeLike, what: str) -> np.dtype:
   return d
 
 
-def _compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
+def compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
+  """A keep rule as a predicate ``(path, leaf) -> bool``, or a clear error.
+
+  Raises:
+    ValueError: a string that is not a valid regular expression.
+    TypeError: a rule that is neither a string nor a callable.
+  """
   if isinstance(rule, str):
     try:
       pattern = re.compile(rule)
@@ -106,6 +112,25 @@ def _compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
   raise TypeError(
       f"a keep rule must be a regex string or a callable (path, leaf) -> bool, got {rule!r}"
   )
+
+
+def keep_rules(rules: KeepRule | Iterable[KeepRule]) -> tuple[KeepRule, ...]:
+  """One rule or several as a tuple, each validated (see :func:`compile_rule`).
+
+  Examples:
+    >>> keep_rules("norm"), keep_rules(["a", "b"])
+    (('norm',), ('a', 'b'))
+  """
+  if isinstance(rules, str) or callable(rules):
+    rules = (rules,)
+  try:
+    rules = tuple(rules)
+  except TypeError:
+    compile_rule(rules)  # type: ignore[arg-type]  # Raises the rule's own TypeError.
+    raise
+  for rule in rules:
+    compile_rule(rule)  # Validates eagerly.
+  return rules
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -160,16 +185,12 @@ class Policy:
     for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype),
                         ("output_dtype", output_dtype)):
       object.__setattr__(self, name, normalize_dtype(value, name))
-    rules = (keep_full,) if isinstance(keep_full, str) or callable(keep_full) else keep_full
-    rules = tuple(rules)
-    for rule in rules:
-      _compile_rule(rule)  # Validates eagerly.
-    object.__setattr__(self, "keep_full", rules)
+    object.__setattr__(self, "keep_full", keep_rules(keep_full))
 
   def _cast(self, tree: T, dtype: np.dtype) -> T:
     if not self.keep_full:
       return tree_utils.cast_floating(tree, dtype)
-    rules = [_compile_rule(r) for r in self.keep_full]
+    rules = [compile_rule(r) for r in self.keep_full]
     full = np.dtype(jnp.float32)
 
     def cast(path: tree_utils.KeyPath, x: Any) -> Any:
@@ -221,8 +242,8 @@ class Policy:
 
 
 _UNMATCHED_MSG = (
-    "keep rule {rule} of {where} selects no floating leaf of {trees}, so it keeps "
-    "nothing in float32.{hint} The floating leaves are, e.g.: {paths}"
+    "keep rule {rule} of {where} selects no {what}, so it keeps "
+    "{keeps}.{hint} The {candidates} are, e.g.: {paths}"
 )
 _SNAKE_CASE_HINT = (
     " NNX (and Equinox) names are snake_case attribute names (e.g. 'batch_norm' or "
@@ -254,8 +275,24 @@ def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any]
             for tree in trees.values() if tree is not None
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
             if tree_utils.is_floating_array(x)]
+  warn_unmatched(rules, leaves, where, "floating leaf of " + " or ".join(trees),
+                 "nothing in float32", "floating leaves")
+
+
+def warn_unmatched(rules: Iterable[KeepRule], leaves: list[tuple[str, Any]], where: str,
+                   what: str, keeps: str, candidates: str) -> None:
+  """Warns for each rule that selects none of ``leaves`` (``(path, leaf)`` pairs).
+
+  Args:
+    rules: the keep rules.
+    leaves: the candidates, as ``(path, leaf)``.
+    where: what the rules belong to, for the message.
+    what: what a rule selects none of, for the message (singular).
+    keeps: what an unmatched rule keeps, for the message.
+    candidates: what the candidates are, for the message (plural).
+  """
   for rule in rules:
-    compiled = _compile_rule(rule)
+    compiled = compile_rule(rule)
     if any(compiled(name, x) for name, x in leaves):
       continue
     hint = ""
@@ -265,8 +302,9 @@ def warn_unmatched_keep_rules(rules: tuple[KeepRule, ...], trees: dict[str, Any]
       hint += _SNAKE_CASE_HINT
     paths = ", ".join(repr(n) for n, _ in leaves[:5]) or "none"
     warnings.warn(_UNMATCHED_MSG.format(
-        rule=_rule_name(rule), where=where, trees=" or ".join(trees), hint=hint,
-        paths=paths + (", ..." if len(leaves) > 5 else "")), UserWarning, stacklevel=2)
+        rule=_rule_name(rule), where=where, what=what, hint=hint, keeps=keeps,
+        candidates=candidates, paths=paths + (", ..." if len(leaves) > 5 else "")),
+        UserWarning, stacklevel=3)
 
 
 def _suggestion(name: str, whole: bool) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from jmp_lite._src import fp8 as fp8_lib
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import step_trace
@@ -144,9 +145,10 @@ def count_ops(jaxpr: Any, counts: dict[str, dict[str, int]]) -> None:
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
   for eqn in jaxpr.eqns:
     kind = _kind(eqn, readers)
-    dtype = _in_dtype(eqn) if kind is not None else ""
-    if kind == "matmul":
+    if kind == "matmul":  # Two float8 formats have no common dtype: named by both.
       dtype = matmul_dtype(eqn, producers)
+    else:
+      dtype = _in_dtype(eqn) if kind is not None else ""
     if dtype:
       per = counts.setdefault(kind, {})  # type: ignore[arg-type]  # kind is set here.
       per[dtype] = per.get(dtype, 0) + 1
@@ -159,18 +161,38 @@ def precision_report(
     *args: Any,
     policy: Union[policy_lib.Policy, str, None] = None,
     autocast: bool = False,
+    fp8: Union[bool, fp8_lib.Float8Recipe, None] = None,
     model_state: Any = None,
+    cast_batch: bool = True,
+    batch_keep_full: tuple[policy_lib.KeepRule, ...] = (),
+    backward: bool = False,
+    has_aux: bool = False,
 ) -> PrecisionReport:
   """Counts the operations of ``fn(*args)`` by class and by the dtype they ran in.
 
   ``fn`` is traced (never run) as :func:`make_train_step` would call it:
   with a ``policy``, the first argument (the params) is cast by the policy
-  and floating leaves of the other arguments to its compute dtype; with
-  ``autocast=True``, ``fn`` runs under :func:`autocast`. Every operation of
-  the program is counted once, including those in nested ``jit``, ``scan``
-  and ``cond`` bodies (a loop body counts once, not per iteration). Data
-  movement and converts are not counted. Pass ``jax.grad(fn)`` to count the
-  backward pass as well.
+  and the floating leaves of the other arguments (the batch) to its compute
+  dtype (unless ``cast_batch=False``; ``batch_keep_full`` rules keep leaves in
+  float32, as the step's options of the same names); with ``autocast=True``,
+  ``fn`` runs under :func:`autocast` (with ``fp8``: its FP8 matmuls, counted
+  under their float8 formats). Every operation of the program is counted
+  once, including those in nested ``jit``, ``scan`` and ``cond`` bodies (a
+  loop body counts once, not per iteration); operations whose results reach
+  no output are not, as XLA drops them (``jax.grad(fn)`` does not return the
+  loss, so a last matmul that only the loss needs does not run). Data movement and converts are not
+  counted. A function made by ``jmp.autocast(fn, dtype, fp8=...)`` is
+  traced as with ``autocast=True``, with its own dtype, lists and recipe.
+
+  ``backward=True`` counts the step's forward and backward pass: the
+  gradient of ``float32(loss) * scale`` with respect to the params cast by
+  the policy, through the very stage the step runs, so under autocast that
+  is ``grad(autocast(fn))`` (each matmul's two backward matmuls run in the
+  forward's dtype, FP8 ones on float8 operands). ``fn`` must then return the
+  loss as the step's ``loss_fn`` does (``(loss, aux)`` with ``has_aux``,
+  ``(loss, new_model_state)`` with a ``model_state``). Passing
+  ``jax.grad(fn)`` with ``autocast=True`` is refused: it would count
+  ``autocast(grad(fn))``, which the step never runs.
 
   Args:
     fn: the function, e.g. ``loss_fn(params, batch)`` or ``model.apply``.
@@ -178,18 +200,28 @@ def precision_report(
       is computed) and static leaves (an Equinox module's functions, strings).
     policy: a :class:`Policy` or policy string, or ``None`` (trace as given).
     autocast: trace ``fn`` under :func:`autocast` with the policy's compute dtype.
+    fp8: with ``autocast``, the FP8 recipe, as ``make_train_step``'s ``fp8=``
+      (``None``/``False``, ``True`` or a :class:`Float8Recipe`).
     model_state: the state's model state (BatchNorm statistics), or ``None``.
       Given, ``fn`` is called as ``fn(args[0], model_state, *args[1:])`` and
       ``model_state`` is not cast, as the step calls
       ``loss_fn(params, model_state, batch)``.
+    cast_batch: cast the floating leaves of ``args[1:]`` (default), as the step.
+    batch_keep_full: keep rules for ``args[1:]``, as the step's (needs a policy).
+    backward: count the step's gradient computation too (see above).
+    has_aux: with ``backward``, ``fn`` returns ``(loss, aux)``, as the step's.
 
   Returns:
     A :class:`PrecisionReport`; ``print`` it for a table.
 
   Raises:
-    TypeError: if ``fn`` is not callable, ``policy`` is not a policy or
-      ``autocast`` not a bool.
-    ValueError: if ``autocast`` is set without a policy.
+    TypeError: if ``fn`` is not callable, ``policy`` is not a policy, a flag
+      is not a bool, or ``fp8`` is not ``None``, a bool or a
+      :class:`Float8Recipe`; with ``backward``, as the step raises for a
+      ``loss_fn`` that does not return a float scalar loss.
+    ValueError: if ``autocast`` or ``batch_keep_full`` is set without a
+      policy, ``autocast`` with a compute dtype that is not half, ``fp8``
+      without ``autocast``, or ``autocast`` on a ``jax.grad`` function.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -204,9 +236,14 @@ def precision_report(
     (1, 1)
     >>> print(report.table().splitlines()[0])
     kind        float16  float32  total
+    >>> both = jmp.precision_report(loss_fn, params, jnp.ones((2, 8)), policy="mixed_float16",
+    ...                             autocast=True, backward=True)
+    >>> both.count("matmul", jnp.float16), both.count("matmul", jnp.float32)  # 2 forward, 3 backward
+    (5, 0)
   """
-  policy = None if policy is None else step_trace.as_policy(policy)
-  jaxpr = step_trace.trace(fn, args, policy, autocast, model_state)
+  step = step_trace.as_step(fn, policy, autocast=autocast, fp8=fp8, cast_batch=cast_batch,
+                            batch_keep_full=batch_keep_full, backward=backward, has_aux=has_aux)
+  jaxpr = jaxpr_utils.without_dead_code(step_trace.trace(step, args, model_state).jaxpr)
   counts: dict[str, dict[str, int]] = {}
   count_ops(jaxpr, counts)
   return PrecisionReport({k: counts[k] for k in KINDS if k in counts})

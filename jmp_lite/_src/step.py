@@ -194,7 +194,7 @@ def make_train_step(
     raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
   recipe = as_recipe(fp8)
   if checks.boolean("autocast", autocast):
-    loss_fn = autocast_lib.autocast(loss_fn, policy.compute_dtype, fp8=recipe)
+    loss_fn = autocast_lib.step_autocast(loss_fn, policy.compute_dtype, recipe)
   elif recipe is not None:
     raise ValueError(f"fp8={fp8!r} needs autocast=True: the FP8 matmuls are autocast's")
   if extra_args is not None and not callable(extra_args):

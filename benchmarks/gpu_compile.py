@@ -1,0 +1,265 @@
+"""Compiles the benchmark train steps for an NVIDIA H100 that this machine does not have.
+
+Run ``python -m benchmarks.gpu_compile --help``. XLA's GPU compiler can build
+the program an H100 would run without the GPU ("deviceless" ahead-of-time
+compilation), from a target description (``benchmarks/gpu_targets/``). For
+each model and train-step variant of ``benchmarks/variants.py`` the script
+lowers the step on ``jax.ShapeDtypeStruct``s placed on a one-GPU topology mesh,
+compiles it, and reports:
+
+- every GEMM, by what runs it (cuBLASLt FP8, cuBLASLt, cuBLAS, a Triton GEMM,
+  cuDNN, XLA's own loops) and its operand dtypes (``benchmarks/hlo_census.py``);
+- the convolutions by runner and dtype;
+- the temp, argument, output and alias bytes of ``compiled.memory_analysis()``,
+
+under XLA's default flags and with ``--xla_gpu_enable_triton_gemm=false``
+(cuBLAS for every GEMM), and checks the bars below. It needs the CUDA plugin,
+which a CPU machine can install (``pip install -e '.[gpu]'``, about 5.6 GB);
+no GPU, driver or CUDA install is needed. What a compile proves: which kernels
+the program holds and how much memory it asks for. What it cannot prove:
+speed (nothing runs), and autotuned choices (no autotuning without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Callable
+
+# Before JAX starts: the CUDA plugin checks the driver's CUDA version at
+# start-up, and without a driver that check takes the CUDA platform (and so the
+# compiler) down. See conftest.py.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+from benchmarks import bars as bars_lib  # noqa: E402  (after the environment is set)
+from benchmarks import cli  # noqa: E402
+from benchmarks import hlo_census  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks import report  # noqa: E402
+
+PROG = "python -m benchmarks.gpu_compile"
+TARGETS = {"h100": pathlib.Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.txtpb"}
+FLAG_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "no-triton-gemm": {"xla_gpu_enable_triton_gemm": False},
+}
+VARIANTS = ("fp32", "fp32_step", "bf16", "f16_dynamic", "bf16_lean", "bf16_autocast", "bf16_fp8",
+            "bf16_fp8_rowwise",
+            "f16_noscale", "jmp_dynamic", "flax_dynamic")
+SMOKE_VARIANTS = ("bf16", "bf16_fp8", "jmp_dynamic")
+PLUGIN_HINT = ("the CUDA plugin for jax is not installed: pip install -e '.[gpu]' (about 5.6 GB; "
+               "no GPU or driver needed)")
+
+
+def plugin_missing() -> str | None:
+  """Why a GPU compile cannot run here (the plugin is absent), or ``None`` if it can."""
+  try:
+    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # Not even the jax_plugins namespace.
+    found = False
+  return None if found else PLUGIN_HINT
+
+
+def topology_sharding(target: pathlib.Path) -> Any:
+  """A replicated ``NamedSharding`` on a one-GPU mesh of ``target``'s device."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+
+  topology = topologies.get_topology_desc(
+      platform="cuda", target_config=target.read_text(), topology="1x1x1")
+  mesh = topologies.make_mesh(topology, (1,), ("data",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def compile_step(fn: Callable[..., Any], args: tuple[Any, ...], sharding: Any,
+                 options: dict[str, Any]) -> Any:
+  """``fn`` (jitted) lowered on ``args``' shapes placed by ``sharding``, compiled with ``options``."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def struct(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return fn.lower(*jax.tree.map(struct, args)).compile(compiler_options=options)
+
+
+def measure(name: str, problem: models.Problem, sharding: Any, options: dict[str, Any]) -> dict[str, Any]:
+  """Compiles variant ``name`` and reads its memory and its GEMM/convolution census."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import variants as variants_lib  # pylint: disable=import-outside-toplevel
+
+  variant = variants_lib.make_variant(name, problem)
+  start = time.perf_counter()
+  compiled = compile_step(variant.fn, (jax.eval_shape(variant.init), problem.batch), sharding,
+                          options)
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  return dict(
+      variant=name,
+      compile_s=seconds,
+      temp_bytes=int(mem.temp_size_in_bytes),
+      argument_bytes=int(mem.argument_size_in_bytes),
+      output_bytes=int(mem.output_size_in_bytes),
+      alias_bytes=int(mem.alias_size_in_bytes),
+      **hlo_census.summary(hlo_census.census(compiled.as_text())),
+  )
+
+
+# (what, numerator variant, denominator variant or None, limit, models or None for all, flags)
+# A "fraction" bar has no denominator: its value is the share of the GEMMs that are not FP8.
+BARS = (
+    ("f16_dynamic / jmp_dynamic temp memory", "f16_dynamic", "jmp_dynamic", 1.02, None, "default"),
+    ("bf16 / jmp_dynamic temp memory", "bf16", "jmp_dynamic", 1.02, None, "default"),
+    ("bf16_lean / bf16 temp memory (bf16 masters)", "bf16_lean", "bf16", 1.0, None, "default"),
+    ("bf16_fp8 / bf16_autocast temp memory", "bf16_fp8", "bf16_autocast", 1.0, ("transformer",),
+     "default"),
+    ("bf16_autocast / bf16 temp memory", "bf16_autocast", "bf16", 1.02, ("cnn", "transformer"),
+     "default"),
+    ("bf16_fp8: GEMMs not on float8 operands (share)", "bf16_fp8", None, 0.0, None, "default"),
+    ("bf16_fp8: GEMMs not on float8 operands (share)", "bf16_fp8", None, 0.0, None,
+     "no-triton-gemm"),
+    ("bf16_fp8_rowwise: GEMMs not on float8 operands (share)", "bf16_fp8_rowwise", None, 0.0,
+     None, "default"),
+    ("bf16_fp8_rowwise: GEMMs not on float8 operands (share)", "bf16_fp8_rowwise", None, 0.0,
+     None, "no-triton-gemm"),
+)
+
+
+def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, Any]]:
+  """The bars whose variants were compiled, each with its value and PASS/FAIL.
+
+  Examples:
+    >>> rows = [dict(model="mlp", flags="default", variant=v, temp_bytes=t, fp8_fraction=f)
+    ...         for v, t, f in [("bf16", 100, 0.0), ("jmp_dynamic", 100, 0.0), ("bf16_fp8", 90, 1.0)]]
+    >>> [(b["what"], b["value"], b["passed"]) for b in check_bars(rows, True)]
+    [('bf16 / jmp_dynamic temp memory', 1.0, True), ('bf16_fp8: GEMMs not on float8 operands (share)', 0.0, True)]
+  """
+  index = {(r["model"], r["flags"], r["variant"]): r for r in rows}
+  found = []
+  for what, num, den, limit, scope, flags in BARS:
+    for model in dict.fromkeys(r["model"] for r in rows):
+      if scope is not None and model not in scope:
+        continue
+      a, b = index.get((model, flags, num)), index.get((model, flags, den)) if den else None
+      if a is None or (den is not None and b is None):
+        continue
+      value = a["temp_bytes"] / b["temp_bytes"] if b is not None else 1.0 - a["fp8_fraction"]
+      found.append(bars_lib.bar("gpu_compile", what, value, limit, meaningful, model=model,
+                                flags=flags))
+  return found
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.1f}"
+
+
+def _kinds(kinds: dict[str, int]) -> str:
+  return ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
+
+
+def markdown(result: dict[str, Any]) -> str:
+  """The report: one table per model and flag set, then the bars."""
+  lines = [report.meta_line(result["meta"]), "",
+           f"**Compiled for an {result['target_device']}, not run** (target `{result['target']}`): "
+           "the kernels and memory of the program XLA would run there. Nothing was timed.", ""]
+  groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+  for r in result["rows"]:
+    groups.setdefault((r["model"], r["flags"]), []).append(r)
+  for (model, flags), rows in groups.items():
+    config = ", ".join(f"{k}={v}" for k, v in result["configs"][model].items())
+    lines += [f"**{model}** ({config}), flags `{flags}`.", "",
+              "| variant | temp MiB | argument MiB | output MiB | alias MiB | GEMMs | FP8 share "
+              "| GEMMs by runner and operand dtypes | convolutions |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      lines.append(
+          f"| {r['variant']} | {_mib(r['temp_bytes'])} | {_mib(r['argument_bytes'])} | "
+          f"{_mib(r['output_bytes'])} | {_mib(r['alias_bytes'])} | {r['gemms']} | "
+          f"{r['fp8_fraction']:.2f} | {_kinds(r['gemm_kinds'])} | {_kinds(r['conv_kinds'])} |")
+    lines.append("")
+  if result["bars"]:
+    lines += ["| bar | model | flags | value | limit | result |", "|---|---|---|---|---|---|"]
+    lines += [f"| {b['what']} | {b['model']} | {b['flags']} | {b['value']:.3f} | <= {b['limit']:.3f} "
+              f"| {report.bar_status(b)} |" for b in result["bars"]]
+  return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line parser."""
+  p = cli.parser(PROG, __doc__, "Variants: " + ", ".join(VARIANTS) + ". Flag sets: "
+                 + ", ".join(f"{k} {v or '(XLA defaults)'}" for k, v in FLAG_SETS.items()))
+  p.add_argument("--model", default="all", metavar="LIST",
+                 help=f"comma-separated models of {', '.join(models.MODELS)}, or all "
+                      f"({', '.join(models.DEFAULT_MODELS)}; default: %(default)s)")
+  p.add_argument("--variants", default="all", metavar="LIST",
+                 help="comma-separated variants (listed below), or all (default: %(default)s)")
+  p.add_argument("--flags", default="all", metavar="LIST",
+                 help="comma-separated flag sets (listed below), or all (default: %(default)s)")
+  p.add_argument("--target", default="h100", choices=tuple(TARGETS),
+                 help="the GPU to compile for (default: %(default)s)")
+  p.add_argument("--preset", default="gpu", choices=("gpu", "cpu"),
+                 help="model sizes (default: %(default)s, the sizes of the GPU benchmarks)")
+  p.add_argument("--hidden", type=cli.positive_int, help="width (default: the preset's)")
+  p.add_argument("--layers", type=cli.positive_int, help="depth (default: the preset's)")
+  p.add_argument("--batch", type=cli.positive_int, help="batch size (default: the preset's)")
+  p.add_argument("--out", type=pathlib.Path, help=report.OUT_HELP)
+  p.add_argument("--smoke", action="store_true",
+                 help=f"smoke-sized models and the variants {','.join(SMOKE_VARIANTS)}: a CI check")
+  p.add_argument("--strict", action="store_true", help="exit with status 1 if a bar fails")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Compiles, counts and writes ``gpu-compile-<target>-<date>.{json,md}``."""
+  argv = sys.argv[1:] if argv is None else argv
+  p = build_parser()
+  args = p.parse_args(argv)
+  missing = plugin_missing()
+  if missing:
+    p.error(missing)
+  names = cli.choose(args.model, models.MODELS, models.DEFAULT_MODELS, "model")
+  variants = cli.choose(args.variants, VARIANTS, SMOKE_VARIANTS if args.smoke else VARIANTS,
+                        "variant")
+  flag_sets = cli.choose(args.flags, tuple(FLAG_SETS), tuple(FLAG_SETS), "flag set")
+  sharding = topology_sharding(TARGETS[args.target])
+  device = sharding.mesh.devices.flat[0]
+  rows, configs = [], {}
+  for name in names:
+    problem = models.build_problem(name, "smoke" if args.smoke else args.preset, batch=args.batch,
+                                   layers=args.layers, hidden=args.hidden)
+    configs[name] = problem.config
+    for flags in flag_sets:
+      for variant in variants:
+        row = dict(model=name, flags=flags, **measure(variant, problem, sharding, FLAG_SETS[flags]))
+        print(f"{name:12s} {flags:15s} {variant:14s} temp {_mib(row['temp_bytes']):>9s} MiB  "
+              f"FP8 share {row['fp8_fraction']:.2f}  {_kinds(row['gemm_kinds'])}", flush=True)
+        rows.append(row)
+  bars = check_bars(rows, meaningful=not args.smoke)
+  meta = report.meta(cli.command(PROG, argv), _CompiledFor(device), args=cli.args_record(args))
+  result = dict(meta=meta, target=args.target, target_device=device.device_kind, configs=configs,
+                rows=rows, bars=bars)
+  stem = report.output_dir(args.out, args.smoke) / f"gpu-compile-{args.target}-{meta['date']}"
+  report.publish(result, stem, markdown(result))
+  for b in bars:
+    print(report.bar_line(b))
+  failed = any(not b["passed"] and b["meaningful"] for b in bars)
+  return 1 if args.strict and failed else 0
+
+
+class _CompiledFor:
+  """What ``report.meta`` reads of a device, for a device that is compiled for, not present."""
+
+  platform = "cuda (compiled only)"
+
+  def __init__(self, device: Any) -> None:
+    self.device_kind = device.device_kind
+
+  def memory_stats(self) -> None:
+    return None
+
+
+if __name__ == "__main__":
+  sys.exit(main())
