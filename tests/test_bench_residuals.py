@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,28 +37,3 @@ def test_bf16_autocast_keeps_at_most_the_bar_and_no_float32_activation():
     auto = r["variants"]["bf16_autocast"]
     assert auto["by_dtype"].get("float32", 0) < 0.01 * auto["bytes"], r["model"]
     assert r["variants"]["fp32"]["vs_fp32"] == 1.0
-
-
-@pytest.mark.slow
-def test_residuals_smoke(tmp_path):
-  cmd = [sys.executable, "-m", "benchmarks.residuals", "--smoke", "--out", str(tmp_path)]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True)
-  files = sorted(tmp_path.iterdir())
-  assert [f.suffix for f in files] == [".json", ".md"]
-  assert files[0].stem.startswith("residuals-cpu-")
-  result = json.loads(files[0].read_text())
-  assert result["meta"]["command"] == f"python -m benchmarks.residuals --smoke --out {tmp_path}"
-  assert [r["model"] for r in result["rows"]] == list(residuals.MODELS)
-  assert {b["meaningful"] for b in result["bars"]} == {False}
-  md = files[1].read_text()
-  assert md in proc.stdout and "| vit |" in md
-
-
-def test_residuals_help_lists_the_variants_and_models(capsys):
-  with pytest.raises(SystemExit):
-    residuals.build_parser().parse_args(["--help"])
-  text = capsys.readouterr().out
-  for name in (*residuals.VARIANTS, *residuals.MODELS):
-    assert name in text
-  assert "(default: all)" in text
-  np.testing.assert_equal(residuals.BAR, 0.6)

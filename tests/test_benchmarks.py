@@ -31,6 +31,7 @@ from benchmarks import masters
 from benchmarks import measure
 from benchmarks import models
 from benchmarks import overhead_study
+from benchmarks import residuals
 from benchmarks import report
 from benchmarks import run
 from benchmarks import sweep
@@ -483,3 +484,22 @@ def test_kahan_limits_help_states_every_default(capsys):
   text = capsys.readouterr().out
   for flag, default in [("--weights", "4096"), ("--steps", "2000"), ("--seed", "0")]:
     assert flag in text and f"(default: {default})" in text
+
+
+# --- benchmarks.residuals (issue 29 item 3; its measure is tested in test_bench_residuals.py) ---
+
+
+@pytest.mark.slow
+def test_residuals_smoke(tmp_path):
+  proc, files, result = _smoke_result("benchmarks.residuals", tmp_path)
+  rows = {r["model"]: r["variants"] for r in result["rows"]}
+  assert list(rows) == list(residuals.MODELS) and set(rows["vit"]) == set(residuals.VARIANTS)
+  assert files[1].read_text() in proc.stdout  # the Markdown report, printed
+
+
+def test_residuals_help_lists_the_variants_and_models(capsys):
+  with pytest.raises(SystemExit):
+    residuals.build_parser().parse_args(["--help"])
+  text = capsys.readouterr().out
+  assert "(default: all)" in text and all(n in text for n in (*residuals.VARIANTS,
+                                                               *residuals.MODELS))
