@@ -214,7 +214,8 @@ class _Evaluator:
       for v, x, m in zip(eqn.outvars, outs, written):
         self.write(v, x, m)
       for v in dead:
-        self.env.pop(v, None), self.meta.pop(v, None), self.refs.pop(v, None)
+        for table in (self.env, self.meta, self.refs):
+          table.pop(v, None)
     outs = [self.read(v) for v in jaxpr.outvars]
     asked = [not keep and isinstance(x, regions.Node) and x.asked for x in outs]
     outs = [x if keep else self.concrete(x, wide) for x, wide in zip(outs, asked)]
