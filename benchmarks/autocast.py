@@ -125,7 +125,7 @@ def init(key: jax.Array, d: int, layers: int, seq_len: int) -> dict[str, Any]:
 
 # Casts, calls, and the data movement a cast may sit before or after (a bias
 # is broadcast, then cast, or cast, then broadcast: the same arithmetic).
-_NOT_COMPUTE = frozenset({"convert_element_type", "jit", "custom_jvp_call", "broadcast_in_dim",
+_NOT_COMPUTE = frozenset({"convert_element_type", "jit", "custom_jvp_call", "remat2", "broadcast_in_dim",
                           "reshape", "squeeze", "transpose"})
 
 

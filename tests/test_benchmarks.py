@@ -32,6 +32,7 @@ from benchmarks import masters
 from benchmarks import measure
 from benchmarks import models
 from benchmarks import overhead_study
+from benchmarks import residuals
 from benchmarks import report
 from benchmarks import run
 from benchmarks import sweep
@@ -521,3 +522,22 @@ def test_call_overhead_smoke(tmp_path):
   md = files[1].read_text()
   assert md in proc.stdout and "| jmp_lite / flax | bilstm |" in md
   assert report.SMOKE_STATUS in proc.stdout
+
+
+# --- benchmarks.residuals (issue 29 item 3; its measure is tested in test_bench_residuals.py) ---
+
+
+@pytest.mark.slow
+def test_residuals_smoke(tmp_path):
+  proc, files, result = _smoke_result("benchmarks.residuals", tmp_path)
+  rows = {r["model"]: r["variants"] for r in result["rows"]}
+  assert list(rows) == list(residuals.MODELS) and set(rows["vit"]) == set(residuals.VARIANTS)
+  assert files[1].read_text() in proc.stdout  # the Markdown report, printed
+
+
+def test_residuals_help_lists_the_variants_and_models(capsys):
+  with pytest.raises(SystemExit):
+    residuals.build_parser().parse_args(["--help"])
+  text = capsys.readouterr().out
+  assert "(default: all)" in text and all(n in text for n in (*residuals.VARIANTS,
+                                                               *residuals.MODELS))

@@ -40,7 +40,7 @@ _DTYPE_MSG = "dtype must be jnp.float16 or jnp.bfloat16, got {value!r}"
 def _register() -> None:
   """Gives the interpreter its handlers for higher-order primitives."""
   for name, (fn, params) in autocast_control.HANDLERS.items():
-    interp.register_handler(name, fn, params)
+    interp.register_handler(name, fn, params, name in autocast_control.META_HANDLERS)
   interp.register_half_rule("dot_general", autocast_fp8.rule)
 
 
@@ -73,6 +73,32 @@ def check_dtype(dtype: Any) -> np.dtype:
   return dt
 
 
+def _as_float32(x: Any) -> Any:
+  """A half leaf's type in float32 (``fun`` is traced as the float32 program); others as they are."""
+  if interp.value_dtype(x) in interp.HALVES:
+    return jax.typeof(x).update(dtype=interp.F32, weak_type=False)
+  return x
+
+
+def _trace(fun: Callable[[Any], Any], traced: Any) -> Any:
+  """``fun``'s jaxpr with its arguments as given, or (if that fails) as the float32 program.
+
+  A function whose half arguments meet float32 values it makes
+  (``jax.random.normal`` noise) in an op that needs equal dtypes (Equinox's
+  ``Conv2d``) does not trace with half params; it runs in float32, so it is
+  traced with its half arguments as float32, and evaluated on the half ones.
+  """
+  try:
+    return jax.make_jaxpr(fun)(traced)
+  except TypeError as error:
+    if not any(interp.value_dtype(x) in interp.HALVES for x in jax.tree.leaves(traced)):
+      raise
+    try:
+      return jax.make_jaxpr(fun)(jax.tree.map(_as_float32, traced))
+    except Exception:  # Not a float32 program either: the error of the call as made.
+      raise error from None
+
+
 def autocast(
     fun: Callable[P, T],
     dtype: DTypeLike,
@@ -84,31 +110,46 @@ def autocast(
 
   Returns a function with ``fun``'s signature (positional and keyword
   arguments, any pytrees in and out). Each call traces ``fun`` to a jaxpr on
-  its arguments (``jax.make_jaxpr``) and evaluates that jaxpr again, op by op:
+  its arguments (``jax.make_jaxpr``; if that fails with a ``TypeError``, as
+  the float32 program: half arguments traced as float32) and evaluates that
+  jaxpr again, op by op:
 
   * **half list** (matmuls and convolutions): floating inputs are cast to
     ``dtype``; the result is ``dtype``.
   * **float32 list** (exp, log, pow, rsqrt, sums and products, ...): half
-    inputs are cast to float32; the result is float32. Softmax, log-softmax,
-    logsumexp, means, variances, norms and cross-entropies are built from
+    inputs are cast to float32; the result is float32. Softmax, logsumexp,
+    the statistics of norms and variances, and cross-entropies are built from
     these and so run in float32.
-  * **promote list** (everything else that computes in its inputs' dtype):
-    runs in the widest floating dtype among its inputs; constants
-    (``h * 0.5``) do not count unless their value does not fit.
+  * **promote list** (everything else that computes in its inputs' dtype): a
+    half *activation* (a half value as large as the result) keeps the result
+    half unless a *strong* float32 operand is there (float32 data or a
+    per-example statistic as large as the result, a raw sum, a value widened
+    from another activation). Broadcast float32 biases, scales and
+    statistics, constants, and values widened from the activation itself
+    (a GELU's ``x**3``) do not widen it: the op computes in float32 if it
+    reads one and rounds its result to ``dtype`` once, when it leaves its
+    float32 region. So bias adds with float32 params, ``jax.nn``
+    activations and LayerNorm/GroupNorm/RMSNorm/BatchNorm return the input's
+    half dtype. Without an activation, the widest floating dtype among the
+    inputs (constants do not count unless their value does not fit).
   * ``convert_element_type`` from float32 to float16 or bfloat16 of a
-    computed value is **kept wide**: the float32 value passes through.
-    ``jnp.sum``/``jnp.mean``/``jnp.var`` of a half array accumulate in
-    float32 and then narrow the result; under autocast it stays float32 (the
-    sum of 100000 float16 ones is 100000.0, not inf), as torch's does. A
-    constant (a literal, or a weakly typed Python scalar that ``jnp.where``
-    passes along) is narrowed as written, and so is every other convert
-    (widening, to or from integers, between float16 and bfloat16).
+    statistic (``jnp.sum``/``jnp.mean``/``jnp.var`` of a half array
+    accumulate in float32 and then narrow) or of a value autocast widened is
+    **kept wide**: the sum of 100000 float16 ones is 100000.0, not inf, as
+    torch's is. Of float32 data or a constant it is done as written, and so
+    is every other convert; a widening convert of a half activation holds it
+    exactly in float32 (returned so when the function returns it).
   * ``x * x`` (a ``mul`` of a value by itself) follows ``square``'s list.
   * Integer, bool and PRNG-key values are never touched; float64, float8 and
     complex values are never cast.
   * Anything else (callbacks, Pallas kernels, linear algebra, scatters,
     primitives autocast does not know) runs in the dtypes of the traced
     program: inputs that autocast changed are cast back first.
+
+  What runs in float32 is bound by connected regions, each under
+  ``jax.checkpoint`` when it holds a float32 value as large as its largest
+  input: the backward pass keeps the regions' half inputs and recomputes
+  their float32 intermediates.
 
   ``jit``, ``closed_call``, ``scan``, ``while``/``fori_loop``, ``cond``/
   ``switch``, ``checkpoint``, ``custom_jvp``, ``custom_vjp`` and ``shard_map``
@@ -123,7 +164,8 @@ def autocast(
   The result composes with ``jax.grad`` (the backward pass runs in the
   precision chosen for each forward op; gradients with respect to float32
   inputs are float32), ``jax.vmap`` and ``jax.jit``. Outputs come back in the
-  dtypes autocast computed them in (a loss from ``jnp.mean`` is float32).
+  dtypes autocast computed them in (a loss from ``jnp.mean`` is float32, a
+  model's logits half).
 
   Arguments: every leaf that is a ``jax.Array`` or NumPy array is traced;
   other leaves (Python numbers, functions, strings; an Equinox module's
@@ -240,7 +282,7 @@ def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Calla
       out["tree"] = jax.tree.structure(out_traced)
       return out_traced
 
-    closed = jax.make_jaxpr(traced_fun)(traced)
+    closed = _trace(traced_fun, traced)
     leaves = jax.tree.leaves(traced)
     plan = None
     if cfg.fp8 is not None:  # Which matmuls run in FP8: keep rules, sizes.

@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jmp_lite._src import autocast_interpret as interp
+from jmp_lite._src import autocast_promote as rules
 from jmp_lite._src import jaxpr_utils
 
 # Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches
@@ -38,16 +39,37 @@ def _no_tracers(closed: Any) -> bool:
   return _TRACER is not None and not any(isinstance(c, _TRACER) for c in closed.consts)
 
 
-def _jit(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+def _constant_key(x: Any) -> Any:
+  """A floating literal's dtype and bytes; ``None`` for anything else."""
+  if not interp.is_constant_value(x) or not jaxpr_utils.is_floating(interp.value_dtype(x)):
+    return None
+  c = np.asarray(x)
+  return (c.dtype.str, c.shape, c.tobytes())
+
+
+def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
+         metas: list[Any]) -> tuple[list[Any], list[Any]]:
+  """A nested jit, re-bound with its evaluated body; its literal operands stay constants in it.
+
+  ``jnp.where(m, h, 0.0)``, ``jnp.clip`` and ``jnp.nan_to_num`` pass Python
+  scalars to a jitted body: the body is evaluated with their values (and
+  cached per value), so that they count as constants there.
+  """
   closed = eqn.params["jaxpr"]
-  key = (cfg, tuple(jax.typeof(x) for x in ins))
+  consts = [_constant_key(x) for x in ins]
+  metas, back = rules.canonical(metas)
+  key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas))
   per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
-  new = per_jaxpr.get(key)
-  if new is None:
-    new = jax.make_jaxpr(lambda *a: interp.eval_closed(closed, a, cfg))(*ins)
-    if _no_tracers(new):
-      per_jaxpr[key] = new
-  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": new})
+  hit = per_jaxpr.get(key)
+  if hit is None:
+    out_metas: list[Any] = []
+    fun = lambda *a: interp.eval_closed(
+        closed, [x if c is not None else v for v, x, c in zip(a, ins, consts)], cfg, metas,
+        out_metas)
+    hit = (jax.make_jaxpr(fun)(*ins), out_metas)
+    if _no_tracers(hit[0]):
+      per_jaxpr[key] = hit
+  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), rules.restore(hit[1], back)
 
 
 def _call(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
@@ -237,7 +259,7 @@ def _shard_map(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
 # the primitive run as traced (safe) instead of failing. autocast.py registers
 # them with the interpreter (interp.register_handler).
 HANDLERS: dict[str, tuple[interp.Handler, tuple[str, ...]]] = {
-    "jit": (_jit, ("jaxpr",)),
+    "jit": (_jit, ("jaxpr",)),  # With metas (see META_HANDLERS).
     "closed_call": (_call, ("call_jaxpr",)),
     "call": (_call, ("call_jaxpr",)),
     "remat2": (_remat, ("jaxpr", "prevent_cse", "policy")),
@@ -249,3 +271,5 @@ HANDLERS: dict[str, tuple[interp.Handler, tuple[str, ...]]] = {
     "shard_map": (_shard_map, ("jaxpr", "mesh", "in_specs", "out_specs", "check_vma",
                                "newly_manual_axes")),
 }
+# The handlers called with their operands' metas, returning their outputs'.
+META_HANDLERS = frozenset({"jit"})

@@ -2,8 +2,10 @@
 
 :func:`eval_jaxpr` walks a jaxpr's equations and, for each primitive, casts
 its floating inputs by the rule of its list (:mod:`autocast_lists`): half,
-float32, promote, or the traced dtypes. Two registries extend it without an
-import of their modules here:
+float32, promote (decided by :mod:`autocast_promote` from what each value
+is), or the traced dtypes. What it computes in float32 is recorded in
+regions (:mod:`autocast_regions`) and bound when a value leaves them. Two
+registries extend it without an import of their modules here:
 
 * :data:`HANDLERS`: one function per higher-order primitive (``jit``,
   ``scan``, ``cond``, ...), filled by :mod:`autocast` with the handlers of
@@ -25,14 +27,22 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jmp_lite._src import autocast_lists
+from jmp_lite._src import autocast_promote as rules
+from jmp_lite._src import autocast_regions as regions
+from jmp_lite._src import autocast_values as values
 from jmp_lite._src import jaxpr_utils
+# What the handlers (autocast_control) and half rules (autocast_fp8) read from here.
+from jmp_lite._src.autocast_values import ELIGIBLE as ELIGIBLE
+from jmp_lite._src.autocast_values import F32 as F32
+from jmp_lite._src.autocast_values import HALVES as HALVES
+from jmp_lite._src.autocast_values import bind_original as bind_original
+from jmp_lite._src.autocast_values import cast_all as cast_all
+from jmp_lite._src.autocast_values import is_constant_value as is_constant_value
+from jmp_lite._src.autocast_values import join as join
+from jmp_lite._src.autocast_values import retarget as retarget
+from jmp_lite._src.autocast_values import value_dtype as value_dtype
 
-F32 = np.dtype(jnp.float32)
-HALVES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-# The dtypes autocast may change. float64, float8 and complex values are never
-# cast, and an operation that reads one runs in its original dtypes (torch
-# leaves float64 alone too).
-ELIGIBLE = frozenset(HALVES + (F32,))
+Moved = values.Moved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +63,12 @@ class _Config:
 # ---------------------------------------------------------------------------
 # Registries: higher-order primitives and per-op half rules.
 
-Handler = Callable[[Any, list[Any], _Config], list[Any]]
+Handler = Callable[..., Any]
+Guarded = Callable[[Any, list[Any], _Config, list[Any]], tuple[list[Any], list[Any]]]
 HalfRule = Callable[[Any, list[Any], _Config], Union[list[Any], None]]
 
-# Higher-order primitive name -> its handler, given the inputs as values.
-HANDLERS: dict[str, Handler] = {}
+# Higher-order primitive name -> its handler, given the inputs as values and their metas.
+HANDLERS: dict[str, Guarded] = {}
 # Half-list primitive name -> its rule (see register_half_rule).
 HALF_RULES: dict[str, HalfRule] = {}
 
@@ -65,11 +76,15 @@ _NOT_OWN_MSG = ("a handler for {name!r} needs the name in autocast_lists.OWN_RUL
                 "so that no AutocastLists list holds it")
 
 
-def register_handler(name: str, fn: Handler, params: tuple[str, ...]) -> None:
+def register_handler(name: str, fn: Handler, params: tuple[str, ...], metas: bool = False) -> None:
   """Makes ``fn`` autocast's rule for the higher-order primitive ``name``.
 
-  ``params`` are the equation params ``fn`` reads: an equation that lacks one
-  (a JAX release that renamed it) runs as traced instead of failing.
+  ``fn(eqn, ins, cfg)`` returns the outputs. With ``metas``, it is called as
+  ``fn(eqn, ins, cfg, in_metas)`` and returns ``(outs, out_metas)``: what
+  autocast knows of its inputs and outputs (:class:`autocast_promote.Meta`,
+  ``None`` for "only the dtype"). ``params`` are the equation params ``fn``
+  reads: an equation that lacks one (a JAX release that renamed it) runs as
+  traced instead of failing.
 
   Raises:
     ValueError: if ``name`` is not in :data:`autocast_lists.OWN_RULES`.
@@ -77,10 +92,14 @@ def register_handler(name: str, fn: Handler, params: tuple[str, ...]) -> None:
   if name not in autocast_lists.OWN_RULES:
     raise ValueError(_NOT_OWN_MSG.format(name=name))
 
-  def guarded(eqn: Any, ins: list[Any], cfg: _Config) -> list[Any]:
+  def guarded(eqn: Any, ins: list[Any], cfg: _Config, in_metas: list[Any]) -> Any:
     if not all(k in eqn.params for k in params):
-      return bind_original(eqn, ins)
-    return fn(eqn, ins, cfg)
+      outs = bind_original(eqn, ins)
+    elif metas:
+      return fn(eqn, ins, cfg, in_metas)
+    else:
+      outs = fn(eqn, ins, cfg)
+    return outs, [None] * len(outs)
 
   HANDLERS[name] = guarded
 
@@ -112,239 +131,310 @@ def register_half_rule(name: str, rule: HalfRule) -> None:
   HALF_RULES[name] = rule
 
 
-# ---------------------------------------------------------------------------
-# Values: dtypes, weak types and casts.
-
-
-def value_dtype(x: Any) -> Union[np.dtype, None]:
-  """The dtype of a value; ``None`` for PRNG keys, tokens and other non-arrays."""
-  dtype = getattr(x, "dtype", None)
-  return None if dtype is None or _extended(dtype) else np.dtype(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _extended(dtype: Any) -> bool:
-  return jnp.issubdtype(dtype, jax.dtypes.extended)
-
-
-class _Moved:
-  """A broadcast, reshape, squeeze or transpose of ``src``, done when its dtype is known.
-
-  Autocast casts before moving data, not after: a float16 bias broadcast to
-  an activation's shape and then needed in float32 is cast once, at its own
-  size, and then broadcast (as a hand-written ``bias.astype(f32)`` would be),
-  so the backward pass also sums the broadcast's cotangent in float32.
-  """
-
-  __slots__ = ("src", "steps", "dtype", "_done")
-
-  def __init__(self, src: Any, steps: tuple[Any, ...]) -> None:
-    self.src, self.steps, self.dtype = src, steps, value_dtype(src)
-    self._done: dict[Any, Any] = {}
-
-  def get(self, dtype: Any = None) -> Any:
-    """The moved value in ``dtype`` (default: the source's), computed once per dtype."""
-    dtype = self.dtype if dtype is None else dtype
-    if dtype not in self._done:
-      x = self.src if dtype == self.dtype else jax.lax.convert_element_type(self.src, dtype)
-      for eqn in self.steps:
-        with jaxpr_utils.eqn_context(eqn):
-          (x,) = jaxpr_utils.bind(eqn, [x])
-      self._done[dtype] = x
-    return self._done[dtype]
-
-
-def _value(x: Any) -> Any:
-  """``x`` itself, or a deferred move done in its own dtype."""
-  return x.get() if isinstance(x, _Moved) else x
-
-
-def _cast(x: Any, dtype: Any, cache: dict[Any, Any]) -> Any:
-  """``x`` in ``dtype``; literals stay NumPy constants, one convert per value."""
-  if isinstance(x, _Moved):
-    return x.get(dtype)
-  if value_dtype(x) == dtype:
-    return x
-  if isinstance(x, (np.ndarray, np.generic, int, float)) and not isinstance(x, jax.Array):
-    return np.asarray(x, dtype)
-  key = (id(x), dtype)
-  hit = cache.get(key)
-  if hit is None:
-    hit = cache[key] = (x, jax.lax.convert_element_type(x, dtype))
-  return hit[1]
-
-
-def _widest(dtypes: Iterable[Any]) -> np.dtype:
-  return functools.reduce(lambda a, b: np.dtype(jnp.promote_types(a, b)), dtypes)
-
-
-def join(a: Union[np.dtype, None], b: Union[np.dtype, None]) -> Union[np.dtype, None]:
-  """The carry dtype for ``a`` in and ``b`` out: the wider, if both may be cast."""
-  if a in ELIGIBLE and b in ELIGIBLE:
-    return _widest((a, b))
-  return a
-
-
-def cast_all(xs: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
-  """Each ``x`` in its ``dtype``; values whose dtype autocast may not change stay as they are."""
-  casts: dict[Any, Any] = {}
-  return [x if d not in ELIGIBLE else _cast(x, d, casts) for x, d in zip(xs, dtypes)]
-
 
 # ---------------------------------------------------------------------------
 # The interpreter.
 
 
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Config) -> list[Any]:
-  """Evaluates an open ``jaxpr`` on ``args`` with autocast's per-op dtypes."""
-  env: dict[Any, Any] = {}
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cfg: _Config,
+               metas: Union[Sequence[Any], None] = None,
+               out_metas: Union[list[Any], None] = None) -> list[Any]:
+  """Evaluates an open ``jaxpr`` on ``args`` with autocast's per-op dtypes.
 
-  def read(v: Any) -> Any:
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  casts: dict[Any, Any] = {}
-  for eqn, dead in zip(jaxpr.eqns, jaxpr_utils.last_uses(jaxpr)):
-    ins = [read(v) for v in eqn.invars]
-    with jaxpr_utils.eqn_context(eqn):
-      outs = _eval_eqn(eqn, ins, cfg, casts)
-    env.update(zip(eqn.outvars, outs))
-    for v in dead:
-      del env[v]
-  return [_value(read(v)) for v in jaxpr.outvars]
+  ``metas`` are what autocast knows of ``args`` (``None``: only their dtypes);
+  ``out_metas``, if given, receives what it knows of the outputs.
+  """
+  return _Evaluator(cfg).run(jaxpr, consts, args, metas, out_metas)
 
 
-def eval_closed(closed: Any, args: Sequence[Any], cfg: _Config) -> list[Any]:
+def eval_closed(closed: Any, args: Sequence[Any], cfg: _Config,
+                metas: Union[Sequence[Any], None] = None,
+                out_metas: Union[list[Any], None] = None) -> list[Any]:
   """:func:`eval_jaxpr` of a ``ClosedJaxpr``."""
-  return eval_jaxpr(closed.jaxpr, closed.consts, args, cfg)
+  return eval_jaxpr(closed.jaxpr, closed.consts, args, cfg, metas, out_metas)
 
 
-# Data movement deferred until a consumer asks for a dtype (see _Moved).
+# Data movement deferred until a consumer asks for a dtype (see Moved).
 _MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose"})
 # The default lists hold first-order primitives only; other names may carry
 # sub-jaxprs typed in the traced dtypes, which must then run as traced.
 _FIRST_ORDER = autocast_lists.HALF_OPS | autocast_lists.FLOAT32_OPS | autocast_lists.PROMOTE_OPS
+# Promote-list primitives bound at once even in float32: sharding, collectives,
+# placement, barriers, and the expensive or multi-output ones.
+_NOT_IN_REGIONS = frozenset({
+    "sharding_constraint", "reshard", "psum", "psum_invariant", "pmax", "pmin", "pvary",
+    "pbroadcast", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
+    "reduce_scatter", "device_put", "optimization_barrier", "name", "sort", "top_k",
+    "approx_top_k",
+})
 
 
-def _eval_eqn(eqn: Any, ins: list[Any], cfg: _Config, casts: dict[Any, Any]) -> list[Any]:
-  name = eqn.primitive.name
-  handler = HANDLERS.get(name)
-  if handler is not None:
-    return handler(eqn, [_value(x) for x in ins], cfg)
-  if name == "convert_element_type":
-    return _convert(eqn, ins, casts)
-  floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(value_dtype(x))]
-  if not floats:  # Integers, bools, keys: untouched.
-    return jaxpr_utils.bind(eqn, ins)
-  dtypes: list[Any] = [value_dtype(ins[i]) for i in floats]
-  rule = cfg.lists.rule(name)
-  if name == "mul" and eqn.invars[0] is eqn.invars[1] and rule == "promote":
-    rule = cfg.lists.rule("square")  # x * x is a square (jnp.linalg.norm writes it so).
-  if (rule != "original" and (any(d not in ELIGIBLE for d in dtypes)
-                              or (name not in _FIRST_ORDER and any(jaxpr_utils.subjaxprs(eqn)))
-                              or eqn.params.get("out_dtype") is not None)):
-    rule = "original"  # float64/float8/complex operands, or sub-jaxprs typed in the old dtypes.
-  if rule == "original":
+def _inlinable(eqn: Any) -> bool:
+  """A nested jit with nothing but its body: no shardings, layouts or compiler options."""
+  p = eqn.params
+  return (all(type(x).__name__ == "UnspecifiedValue" for x in
+              (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+          and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
+          and not p.get("compiler_options_kvs") and not any(p.get("donated_invars", ())))
+
+
+def _carries(eqn: Any) -> range:
+  """The positions of a loop's initial carries among its operands (empty for other primitives)."""
+  p, name = eqn.params, eqn.primitive.name
+  if name == "scan" and "num_consts" in p and "num_carry" in p:
+    return range(p["num_consts"], p["num_consts"] + p["num_carry"])
+  if name == "while" and "cond_nconsts" in p and "body_nconsts" in p:
+    return range(p["cond_nconsts"] + p["body_nconsts"], len(eqn.invars))
+  return range(0)
+
+
+class _Evaluator:
+  """One evaluation of one jaxpr: its environment, the metas of its values, its casts."""
+
+  def __init__(self, cfg: _Config, parent: Union["_Evaluator", None] = None) -> None:
+    self.cfg, self.parent = cfg, parent
+    self.env: dict[Any, Any] = {}
+    self.meta: dict[Any, rules.Meta] = {}
+    self.refs: dict[Any, regions.Node] = {}  # Variables that hold a region's node.
+    self.casts: dict[Any, Any] = {}
+    self.pcasts: dict[Any, Any] = {}
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+          metas: Union[Sequence[Any], None], out_metas: Union[list[Any], None],
+          keep: bool = False) -> list[Any]:
+    """The outputs of ``jaxpr``: concrete, or (``keep``) as held (region nodes, moves)."""
+    for v, x in zip(jaxpr.constvars, consts):
+      self.write(v, x, None)
+    for v, x, m in zip(jaxpr.invars, args, [None] * len(args) if metas is None else metas):
+      self.write(v, x, m)
+    for eqn, dead in zip(jaxpr.eqns, jaxpr_utils.last_uses(jaxpr)):
+      ins = [self.read(v) for v in eqn.invars]
+      with jaxpr_utils.eqn_context(eqn):
+        outs, written = self.eqn(eqn, ins, [self.meta_of(v) for v in eqn.invars])
+      for v, x, m in zip(eqn.outvars, outs, written):
+        self.write(v, x, m)
+      for v in dead:
+        for table in (self.env, self.meta, self.refs):
+          table.pop(v, None)
+    outs = [self.read(v) for v in jaxpr.outvars]
+    asked = [not keep and isinstance(x, regions.Node) and x.asked for x in outs]
+    outs = [x if keep else self.concrete(x, wide) for x, wide in zip(outs, asked)]
+    if out_metas is not None:
+      out_metas.extend(self.meta_of(v)._replace(kind=rules.DATA) if wide else self.meta_of(v)
+                       for v, wide in zip(jaxpr.outvars, asked))
+    return outs
+
+  # -- the environment -------------------------------------------------------
+
+  def read(self, v: Any) -> Any:
+    return v.val if isinstance(v, jex_core.Literal) else self.env[v]
+
+  def meta_of(self, v: Any) -> rules.Meta:
+    if isinstance(v, jex_core.Literal):
+      return rules.Meta(rules.CONST, 1)
+    return self.meta[v]
+
+  def write(self, v: Any, x: Any, meta: Union[rules.Meta, None]) -> None:
+    if meta is None:
+      meta = rules.default_meta(value_dtype(x), np.shape(x) if not isinstance(
+          x, (Moved, regions.Node)) else x.shape, values.is_constant(v))
+    self.env[v], self.meta[v] = x, meta
+    node = values.pending_of(x)
+    if node is not None:
+      self.refs[v] = node
+
+  # -- casts -----------------------------------------------------------------
+
+  def concrete(self, x: Any, wide: bool = False) -> Any:
+    """``x`` as a value: moves done, its region bound (a virtual value rounded to half).
+
+    With ``wide``, a virtual value is returned in the float32 it is held in.
+    """
+    if isinstance(x, Moved):
+      return x.get(self)
+    if isinstance(x, regions.Node):
+      target = regions.narrowed(x) if x.virtual is not None and not wide else x
+      if not target.region.done:
+        self.flush(target)
+      return regions.concrete(target)
+    return x
+
+  def flush(self, target: regions.Node) -> None:
+    """Binds ``target``'s region, with every node of it a variable still holds."""
+    region, outs = target.region, [target]
+    ev: Union[_Evaluator, None] = self
+    while ev is not None:  # An inlined body's evaluator, and the one it is inlined in.
+      for n in list(ev.refs.values()):
+        if n.region is region:
+          outs.append(regions.narrowed(n) if n.virtual is not None else n)
+      ev = ev.parent
+    regions.bind(region, outs)
+
+  def cast(self, x: Any, dtype: Any) -> Any:
+    """Concrete ``x`` in ``dtype`` (constants saturate at a half dtype's largest value)."""
+    if isinstance(x, Moved):
+      return x.get(self, dtype)
+    if isinstance(x, regions.Node):
+      if dtype == value_dtype(x) or x.region.done:
+        return values.cast(self.concrete(x), dtype, self.casts)
+      n = regions.convert(x, dtype)  # From the value it holds (a virtual one's float32).
+      self.flush(n)
+      return regions.concrete(n)
+    if dtype in HALVES:
+      x = values.saturated(x, dtype)
+    return values.cast(x, dtype, self.casts)
+
+  def pcast(self, x: Any, dtype: Any) -> Any:
+    """``x`` in ``dtype`` for a region: a node (or ``x``, a constant, when nothing changes)."""
+    if isinstance(x, Moved):
+      return x.node(self, dtype)
+    if isinstance(x, regions.Node) and not x.region.done:
+      if x.virtual is not None and dtype == x.virtual:
+        return regions.narrowed(x)
+      return x if dtype == x.dtype else regions.convert(x, dtype)
+    x = self.concrete(x)
+    if value_dtype(x) == dtype or is_constant_value(x):
+      return values.cast(x, dtype, self.casts)
+    hit = self.pcasts.get((id(x), dtype))
+    if hit is None or hit[1].region.done:
+      hit = self.pcasts[(id(x), dtype)] = (x, regions.convert(x, dtype))
+    return hit[1]
+
+  # -- equations -------------------------------------------------------------
+
+  def eqn(self, eqn: Any, ins: list[Any], metas: list[rules.Meta]) -> tuple[list[Any], list[Any]]:
+    """``eqn`` on ``ins``: its outputs and their metas (``None``: from the value)."""
+    name = eqn.primitive.name
+    if name == "jit" and _inlinable(eqn) and any(values.pending_of(x) is not None for x in ins):
+      # A jnp function reading a float32 region's value (jnp.take_along_axis in a loss):
+      # evaluated in place, so that the region goes on through it.
+      closed, written = eqn.params["jaxpr"], list[Any]()
+      outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written, True)
+      return outs, written
+    handler = HANDLERS.get(name)
+    if handler is not None:
+      return handler(eqn, self.handler_ins(eqn, ins, metas), self.cfg, metas)
+    if name == "convert_element_type":
+      return self.convert(eqn, ins[0], metas[0])
+    floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(value_dtype(x))]
+    if not floats:  # Integers, bools, keys: untouched.
+      outs = jaxpr_utils.bind(eqn, [self.concrete(x) for x in ins])
+      return outs, [None] * len(outs)
+    rule = self.cfg.lists.rule(name)
+    if name == "mul" and eqn.invars[0] is eqn.invars[1] and rule == "promote":
+      rule = self.cfg.lists.rule("square")  # x * x is a square (jnp.linalg.norm writes it so).
+    if (rule != "original" and (any(value_dtype(ins[i]) not in ELIGIBLE for i in floats)
+                                or (name not in _FIRST_ORDER and any(jaxpr_utils.subjaxprs(eqn)))
+                                or eqn.params.get("out_dtype") is not None)):
+      rule = "original"  # float64/float8/complex operands, or sub-jaxprs typed in the old dtypes.
+    if rule == "promote" and name in _MOVES and len(ins) == 1:
+      x = ins[0]
+      moved = Moved(x.src, x.steps + (eqn,)) if isinstance(x, Moved) else Moved(x, (eqn,))
+      return [moved], [metas[0]]
+    if rule in ("original", "half"):
+      return self.bind_as(eqn, ins, floats, rule)
+    out_size = rules.size(eqn.outvars[0].aval.shape)
+    ops = [self.operand(ins[i], metas[i]) for i in floats]
+    if rule == "float32":
+      decision = rules.Decision(F32, None, rules.float32_kind(name, ops, out_size))
+    else:
+      decision = rules.promote(name, ops, out_size)
+    if (decision.compute == F32 and name not in _NOT_IN_REGIONS
+        and not eqn.primitive.multiple_results):
+      return self.pending(eqn, ins, floats, decision)
     for i in floats:
-      ins[i] = _cast(ins[i], np.dtype(eqn.invars[i].aval.dtype), casts)
-    return jaxpr_utils.bind(eqn, ins)
-  if rule == "promote" and name in _MOVES and len(ins) == 1:
-    x = ins[0]
-    return [_Moved(x.src, x.steps + (eqn,)) if isinstance(x, _Moved) else _Moved(x, (eqn,))]
-  if rule == "half":
-    target = cfg.dtype
-  elif rule == "float32":
-    target = F32
-  elif all(d == dtypes[0] for d in dtypes):
-    target = dtypes[0]
-  else:
-    target = _promote_target(eqn, ins, floats)
-  for i in floats:
-    ins[i] = _cast(ins[i], target, casts)
-  half_rule = HALF_RULES.get(name) if rule == "half" else None
-  outs = None if half_rule is None else half_rule(eqn, ins, cfg)
-  return jaxpr_utils.bind(eqn, ins, retarget(eqn, target)) if outs is None else outs
+      ins[i] = self.cast(ins[i], decision.compute)
+    ins = [self.concrete(x) for x in ins]
+    outs = jaxpr_utils.bind(eqn, ins, retarget(eqn, decision.compute))
+    if decision.virtual is not None:
+      outs = [values.cast(o, decision.virtual, self.casts) if jaxpr_utils.is_floating(value_dtype(o))
+              else o for o in outs]
+    return outs, [decision.meta if jaxpr_utils.is_floating(value_dtype(o)) else None
+                  for o in outs]
 
+  def operand(self, x: Any, meta: rules.Meta) -> rules.Operand:
+    const = values.constant_of(x) if meta.kind == rules.CONST else None
+    fits = const is None or rules.fits(const, self.cfg.dtype)
+    return rules.Operand(np.dtype(value_dtype(x)), meta, fits,
+                         getattr(x, "virtual", None) is not None)
 
-def _promote_target(eqn: Any, ins: list[Any], floats: list[int]) -> np.dtype:
-  """The widest dtype among the floating operands, constants aside if they fit.
+  def bind_as(self, eqn: Any, ins: list[Any], floats: list[int], rule: str) -> Any:
+    """A half-list primitive in the half dtype, or any primitive in its traced dtypes."""
+    for i in floats:
+      ins[i] = self.cast(ins[i], self.cfg.dtype if rule == "half"
+                         else np.dtype(eqn.invars[i].aval.dtype))
+    ins = [self.concrete(x) for x in ins]
+    half_rule = HALF_RULES.get(eqn.primitive.name) if rule == "half" else None
+    outs = None if half_rule is None else half_rule(eqn, ins, self.cfg)
+    if outs is None:
+      outs = jaxpr_utils.bind(eqn, ins, retarget(eqn, self.cfg.dtype) if rule == "half"
+                              else None)
+    return outs, [None] * len(outs)
 
-  A jaxpr records Python scalars as strongly typed literals, so ``h * 0.5``
-  and ``h * jnp.float32(0.5)`` look alike; a literal, or a weakly typed value,
-  does not widen the operation unless its value overflows or underflows (is
-  below the smallest normal number) in the dtype of the other operands.
-  """
+  def pending(self, eqn: Any, ins: list[Any], floats: list[int],
+              decision: rules.Decision) -> tuple[list[Any], list[Any]]:
+    """``eqn`` in float32 as a region node (bound later, with its region).
 
-  def constant(i: int) -> bool:
-    return _is_constant(eqn.invars[i])
+    An operation that stores half and passes values through (a select, max,
+    clamp, pad) gets its constants saturated at the half dtype's largest
+    finite value first, as it would computing in half.
+    """
+    if decision.virtual is not None and eqn.primitive.name not in rules.ARITHMETIC:
+      ins = [values.saturated(x, decision.virtual) if i in floats else x
+             for i, x in enumerate(ins)]
+    args = [self.pcast(x, F32) if i in floats
+            else x if values.pending_of(x) is x else self.concrete(x)
+            for i, x in enumerate(ins)]
+    out = eqn.outvars[0].aval
+    floating = jaxpr_utils.is_floating(out.dtype)
+    node = regions.node(values.binder(eqn, retarget(eqn, F32)), args, F32 if floating else out.dtype,
+                        out.shape, eqn, decision.virtual if floating else None)
+    return [node], [decision.meta if floating else None]
 
-  strong = [value_dtype(ins[i]) for i in floats if not constant(i)]
-  if not strong:
-    return _widest(value_dtype(ins[i]) for i in floats)
-  target = _widest(strong)
-  for i in floats:
-    if constant(i) and not _fits(ins[i], target):
-      target = _widest((target, value_dtype(ins[i])))
-  return target
+  def handler_ins(self, eqn: Any, ins: list[Any], metas: list[rules.Meta]) -> list[Any]:
+    """A higher-order primitive's operands, concrete; a loop's constant carries in half.
 
+    A constant initial carry (``jnp.zeros(...)`` in float32, as the float32
+    program writes it) does not widen the loop: it starts in the half dtype,
+    and the carry fixpoint widens it if the body needs float32.
+    """
+    out = [self.concrete(x) for x in ins]
+    for i in _carries(eqn):
+      const = values.constant_of(ins[i]) if metas[i].kind == rules.CONST else None
+      if const is not None and value_dtype(out[i]) == F32 and rules.fits(const, self.cfg.dtype):
+        out[i] = self.cast(ins[i], self.cfg.dtype)
+    return out
 
-def _fits(x: Any, dtype: np.dtype) -> bool:
-  """Whether a constant keeps its magnitude in ``dtype`` (traced values: assumed so)."""
-  if not isinstance(x, (np.ndarray, np.generic, int, float)) or isinstance(x, jax.Array):
-    return True
-  v = np.abs(np.asarray(x, np.float64))
-  info = jnp.finfo(dtype)
-  ok = (v == 0) | ~np.isfinite(v) | ((v >= float(info.tiny)) & (v <= float(info.max)))
-  return bool(np.all(ok))
+  def convert(self, eqn: Any, x: Any, meta: rules.Meta) -> tuple[list[Any], list[Any]]:
+    """convert_element_type: float32 statistics and widened values are kept wide.
 
-
-def retarget(eqn: Any, target: np.dtype) -> Any:
-  """``eqn``'s params with a floating ``preferred_element_type`` set to ``target``.
-
-  A ``preferred_element_type`` that none of the traced operands has was asked
-  for on purpose (``jnp.einsum(f16, f16, preferred_element_type=jnp.float32)``)
-  and is kept; one that an operand has (what ``jnp.matmul`` and
-  ``jnp.einsum`` pass after promoting) follows the operands.
-  """
-  pet = eqn.params.get("preferred_element_type")
-  if pet is None or not jaxpr_utils.is_floating(pet):
-    return eqn.params
-  if np.dtype(pet) not in {jaxpr_utils.dtype_of(v) for v in eqn.invars}:
-    return eqn.params
-  return {**eqn.params, "preferred_element_type": target}
-
-
-def _convert(eqn: Any, ins: list[Any], casts: dict[Any, Any]) -> list[Any]:
-  """convert_element_type: float32 to float16/bfloat16 is kept wide; the rest is done.
-
-  Constants are the exception: a literal or a weakly typed operand (a Python
-  scalar that ``jnp.where``/``jnp.clip`` pass along) takes the half dtype, as
-  written, so that it does not widen the tensor it meets. A convert between
-  float16, bfloat16 and float32 shares autocast's cache of casts, so that
-  ``jnp.mean(x)`` and ``x - mean`` convert ``x`` once (and the backward pass
-  adds their cotangents before converting back, as hand-written code would).
-  """
-  (x,) = ins
-  new = np.dtype(eqn.params["new_dtype"]) if not _extended(eqn.params["new_dtype"]) else None
-  if value_dtype(x) == F32 and new in HALVES and not _is_constant(eqn.invars[0]):
-    return [x]
-  if (new in ELIGIBLE and value_dtype(x) in ELIGIBLE and not eqn.params.get("weak_type")
-      and eqn.params.get("sharding") is None):
-    return [_cast(x, new, casts)]  # Shared with autocast's own casts of ``x``.
-  return jaxpr_utils.bind(eqn, [_value(x)])
-
-
-def _is_constant(atom: Any) -> bool:
-  """A literal, or a weakly typed value (from a Python scalar)."""
-  return isinstance(atom, jex_core.Literal) or getattr(atom.aval, "weak_type", False)
-
-
-def bind_original(
-    eqn: Any, ins: Sequence[Any], casts: Union[dict[Any, Any], None] = None
-) -> list[Any]:
-  """``eqn`` applied as traced: floating inputs cast back to the declared dtypes."""
-  casts = {} if casts is None else casts
-  ins = [_cast(x, np.dtype(v.aval.dtype), casts) if jaxpr_utils.is_floating(value_dtype(x))
-         else _value(x) for x, v in zip(ins, eqn.invars)]
-  return jaxpr_utils.bind(eqn, ins)
+    A narrowing convert (float32 to float16/bfloat16) of a STAT (a sum, a
+    mean, a norm: the sum of 100000 float16 ones is 100000.0, not inf) or of
+    a value autocast widened is kept wide; of float32 data or a constant it is
+    done (a value in a float32 region becomes a virtual half value). A
+    widening convert, or one between half dtypes, is done. A convert between
+    float16, bfloat16 and float32 shares autocast's cache of casts.
+    """
+    new = np.dtype(eqn.params["new_dtype"]) if not values.extended(eqn.params["new_dtype"]) else None
+    src = value_dtype(x)
+    plain = not eqn.params.get("weak_type") and eqn.params.get("sharding") is None
+    if not (plain and new in ELIGIBLE and src in ELIGIBLE):
+      const = meta.kind == rules.CONST and jaxpr_utils.is_floating(new)
+      return jaxpr_utils.bind(eqn, [self.concrete(x)]), [meta if const else None]
+    if src == F32 and new in HALVES and meta.kind in (rules.STAT, rules.WIDE):
+      return [x], [meta]
+    node = values.pending_of(x)
+    if node is not None and node is x and new in HALVES and src == F32:
+      view = regions.node(lambda v: v, [x], F32, x.shape, eqn, virtual=new)
+      return [view], [meta._replace(kind=rules.HALF)]
+    if src in HALVES and new == F32:
+      if meta.kind == rules.CONST:
+        return [self.pcast(x, F32)], [meta]
+      # A half value in float32, as asked: the same activation, held exactly in float32.
+      view = regions.node(lambda v: v, [self.pcast(x, F32)], F32, x.shape, eqn, virtual=src)
+      view.asked = True
+      return [view], [meta]
+    out = (np.asarray(x, new) if is_constant_value(x)  # A literal is narrowed as written.
+           else self.pcast(x, new) if node is not None else self.cast(x, new))
+    keep = new == F32 or meta.kind == rules.CONST
+    return [out], [meta if keep else meta._replace(kind=rules.HALF)]

@@ -1,0 +1,300 @@
+"""Autocast's dtype decisions: what each value is, and the dtype each operation runs in.
+
+The interpreter keeps, next to each floating value, a :class:`Meta`: its
+*kind* and how much data it carries (its *info*: its number of elements, or
+fewer for a broadcast bias, scale or statistic). The kinds:
+
+* ``HALF``: a half value (float16 or bfloat16), an activation if it carries
+  as much data as the operation's output.
+* ``DATA``: float32 the program holds on its own: float32 arguments
+  (parameters, data, noise) and what is computed from them.
+* ``STAT``: float32 from a reduction (a sum, a mean, a norm, a loss): its
+  range grows with the number of elements, so it is never narrowed.
+* ``WIDE``: float32 that autocast widened from half values element-wise
+  (``exp(h)``, ``h**3``): the program had it in half.
+* ``CONST``: a literal, a weakly typed Python scalar, or a value computed from
+  constants only.
+
+:func:`promote` decides a promote-list operation (see its docstring), and
+:func:`float32_kind` the kind of a float32-list result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, NamedTuple, Sequence, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+F32 = np.dtype(jnp.float32)
+HALVES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+HALF, DATA, STAT, WIDE, CONST, OTHER = "half", "data", "stat", "wide", "const", "other"
+# Among float32 values, which kind a result inherits when operands differ.
+_PRIORITY = {STAT: 3, DATA: 2, WIDE: 1, CONST: 0}
+
+# Float32-list operations whose result is a statistic (its range grows with the size).
+REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+
+# Element-wise primitives: their result carries no more data than their operands
+# (a product of a broadcast statistic and a broadcast scale is still small).
+ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min",
+    "nextafter", "atan2", "clamp", "select_n", "eq", "ne", "lt", "le", "gt", "ge",
+    "is_finite", "floor", "ceil", "round", "sqrt", "cbrt", "sin", "cos", "tanh", "atan",
+    "acosh", "asinh", "atanh", "logistic", "erf", "erfc", "lgamma", "digamma", "igamma",
+    "igammac", "igamma_grad_a", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
+    "regularized_incomplete_beta", "reduce_precision", "stop_gradient", "copy", "pvary",
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt",
+    "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
+})
+
+# Element-wise operations whose result does not grow with a total's magnitude.
+COMPRESSING = frozenset({"div", "rsqrt", "sqrt", "cbrt", "log", "log1p", "tanh", "logistic",
+                         "erf", "atan", "sign"})
+
+# Arithmetic: rounding its operands to half first is not the same as rounding its
+# result, so with a float32 operand it computes in float32 and stores half.
+ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "div", "rem", "atan2", "nextafter"})
+# ...and so do comparisons (their result is not a float).
+_EXACT_IN_F32 = ARITHMETIC | {"eq", "ne", "lt", "le", "gt", "ge"}
+
+
+class Meta(NamedTuple):
+  """What autocast knows of a value besides its dtype.
+
+  Attributes:
+    kind: ``HALF``, ``DATA``, ``STAT``, ``WIDE``, ``CONST`` or ``OTHER``.
+    info: how many elements of data it carries (fewer than its size for a
+      broadcast or an element-wise function of broadcasts).
+    source: a token naming the activation it is an element-wise function
+      of (``x`` for ``x**3``, ``x - mean`` or ``jnp.where(x > 0, x, 0.0)``);
+      ``None`` for constants.
+    total: for a ``STAT``, whether it is a raw total (a sum or product, its
+      magnitude growing with the number of elements) rather than a
+      normalised statistic (a mean, ``rsqrt(var + eps)``, a ``logsumexp``:
+      it went through a division, a root or a log).
+  """
+
+  kind: str
+  info: int
+  source: Any = None
+  total: bool = False
+
+
+_TOKENS = itertools.count()
+
+
+def fresh() -> int:
+  """A new source token."""
+  return next(_TOKENS)
+
+
+class Operand(NamedTuple):
+  """One floating operand of an operation, as :func:`promote` sees it.
+
+  Attributes:
+    dtype: its dtype (the half dtype for a virtual value, see
+      :mod:`autocast_regions`).
+    meta: its :class:`Meta`.
+    fits: for a constant, whether its magnitude survives the half dtype.
+    virtual: whether it is a half value still held in float32.
+  """
+
+  dtype: np.dtype
+  meta: Meta
+  fits: bool
+  virtual: bool
+
+
+class Decision(NamedTuple):
+  """How an operation runs: ``compute`` dtype, and the half dtype it stores (``virtual``)."""
+
+  compute: np.dtype
+  virtual: Union[np.dtype, None]
+  meta: Meta
+
+
+def size(shape: Sequence[int]) -> int:
+  return math.prod(shape)
+
+
+def default_meta(dtype: Union[np.dtype, None], shape: Sequence[int], weak: bool = False) -> Meta:
+  """The meta of a value autocast knows nothing more of (an argument, a loop's output)."""
+  if dtype in HALVES:
+    return Meta(HALF, size(shape), fresh())
+  if dtype == F32:
+    return Meta(CONST, size(shape)) if weak else Meta(DATA, size(shape), fresh())
+  return Meta(OTHER, size(shape))
+
+
+def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+  out = dtypes[0]
+  for d in dtypes[1:]:
+    out = np.dtype(jnp.promote_types(out, d))
+  return out
+
+
+def _info(name: str, ops: Sequence[Operand], out_size: int) -> int:
+  if name not in ELEMENTWISE:
+    return out_size
+  infos = [o.meta.info for o in ops if o.meta.kind != CONST]
+  return min(out_size, max(infos, default=1))
+
+
+def _source(ops: Sequence[Operand], out_size: int) -> int:
+  """The one activation a result is an element-wise function of, or a new token."""
+  full = {o.meta.source for o in ops if o.meta.kind != CONST and o.meta.info >= out_size}
+  return full.pop() if len(full) == 1 and None not in full else fresh()
+
+
+def _f32_kind(ops: Sequence[Operand], out_size: int) -> str:
+  """The kind of a float32 result: from its full-size operands first, half ones count as WIDE."""
+  nonconst = [o for o in ops if o.meta.kind != CONST]
+  if not nonconst:
+    return CONST
+  full = [o for o in nonconst if o.meta.info >= out_size] or nonconst
+  kinds = [WIDE if o.dtype in HALVES else o.meta.kind for o in full]
+  return max(kinds, key=lambda k: _PRIORITY.get(k, 0))
+
+
+def float32_kind(name: str, ops: Sequence[Operand], out_size: int) -> Meta:
+  """The meta of a float32-list result: a reduction's is a STAT, else its operands'."""
+  if name in REDUCTIONS:
+    return Meta(STAT, out_size, fresh(), total=True)
+  kind = _f32_kind(ops, out_size)
+  if kind == CONST:
+    return Meta(CONST, 1)
+  return Meta(kind, _info(name, ops, out_size), _source(ops, out_size), _total(name, ops))
+
+
+def _total(name: str, ops: Sequence[Operand]) -> bool:
+  return name not in COMPRESSING and any(o.meta.total for o in ops)
+
+
+def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
+  """The dtypes of a promote-list operation on floating operands ``ops``.
+
+  * An operand is an *activation* if it is half, not a constant, and carries
+    as much data as the output. A float32 operand is *strong* if it carries
+    as much data as the output and is ``DATA`` or ``STAT`` (float32 data, a
+    per-example loss), or ``WIDE`` from another activation (``t * exp(x)``),
+    or if it is a raw total of any size (``x * jnp.sum(y)``); every other
+    float32 operand is *weak*: a broadcast bias, scale or
+    statistic, a scalar, or a value autocast widened from the activation it
+    meets (a GELU's ``x + 0.044715 * x**3``, softplus' ``max(x, 0) +
+    log1p(exp(-|x|))``): an element-wise function of one activation returns
+    its dtype, as torch's activation kernels do.
+  * With a strong operand the operation runs in float32 (as torch promotes
+    tensors).
+  * Else, with an activation, the result is half: constants never widen it
+    (unless arithmetic meets one that overflows or underflows the half dtype:
+    ``log(p + 1e-8)`` in float16), and neither do weak operands. An arithmetic
+    operation with a weak or a virtual operand computes in float32 and holds
+    its result as a virtual half value (rounded once, when it leaves its
+    float32 region), as torch's fused kernels do, and so does a comparison;
+    other operations (selects, max, data movement) cast the weak operands to
+    half (constants saturate at the half dtype's largest finite value, as
+    ``jnp.finfo``'s sentinels mean).
+  * With neither, the operation runs in the widest dtype among its
+    non-constant operands, and a constant widens it only if it does not fit.
+
+  Args:
+    name: the primitive's name.
+    ops: its floating operands.
+    out_size: the number of elements of its output.
+
+  Returns:
+    The :class:`Decision`.
+
+  Examples:
+    >>> h = Operand(np.dtype("float16"), Meta(HALF, 8, 1), True, False)
+    >>> bias = Operand(F32, Meta(DATA, 2, 2), True, False)
+    >>> promote("add", [h, bias], 8).virtual, promote("max", [h, bias], 8).compute
+    (dtype('float16'), dtype('float16'))
+    >>> promote("add", [h, Operand(F32, Meta(DATA, 8, 3), True, False)], 8).compute
+    dtype('float32')
+    >>> cube = Operand(F32, Meta(WIDE, 8, 1), True, False)  # x**3, widened from h
+    >>> promote("add", [h, cube], 8).virtual, promote("add", [h, cube._replace(
+    ...     meta=Meta(WIDE, 8, 4))], 8).virtual  # from h itself; from another activation
+    (dtype('float16'), None)
+  """
+  info = _info(name, ops, out_size)
+  nonconst = [o for o in ops if o.meta.kind != CONST]
+  if not nonconst:
+    dtype = _widest([o.dtype for o in ops])
+    return Decision(dtype, None, Meta(CONST, 1))
+  source = _source(ops, out_size)
+  acts = [o for o in nonconst if o.dtype in HALVES and o.meta.info >= out_size]
+  mine = {o.meta.source for o in acts}
+  strong = [o for o in nonconst if o.dtype == F32 and (o.meta.total or (
+      o.meta.info >= out_size and (o.meta.kind in (DATA, STAT)
+                                   or (o.meta.kind == WIDE and o.meta.source not in mine))))]
+  unfit = any(o.meta.kind == CONST and not o.fits for o in ops)
+  widen = strong or (unfit and name in ARITHMETIC)  # log(p + 1e-8) in float16
+  store = _widest([o.dtype for o in acts]) if acts and not widen else F32
+  if store in HALVES:
+    weak = any(o.dtype == F32 for o in nonconst)
+    if any(o.virtual for o in nonconst) or (name in _EXACT_IN_F32 and (weak or unfit)):
+      return Decision(F32, store, Meta(HALF, info, source))
+    return Decision(store, None, Meta(HALF, info, source))
+  total = _total(name, ops)
+  if strong:
+    kind = max((o.meta.kind for o in strong), key=lambda k: _PRIORITY[k])
+    return Decision(F32, None, Meta(kind, info, source, total))
+  unfit_dtypes = [o.dtype for o in ops if o.meta.kind == CONST and not o.fits]
+  target = _widest([o.dtype for o in nonconst] + unfit_dtypes)
+  if target in HALVES:
+    virtual = any(o.virtual for o in nonconst)
+    return Decision(F32 if virtual else target, target if virtual else None,
+                    Meta(HALF, info, source))
+  kind = _f32_kind(ops, out_size) if target == F32 else OTHER
+  return Decision(target, None, Meta(kind, info, source, total))
+
+
+def fits(value: np.ndarray, dtype: np.dtype) -> bool:
+  """Whether a constant keeps its magnitude in ``dtype`` (zero, inf and NaN do)."""
+  v = np.abs(np.asarray(value, np.float64))
+  info = jnp.finfo(dtype)
+  ok = (v == 0) | ~np.isfinite(v) | ((v >= float(info.tiny)) & (v <= float(info.max)))
+  return bool(np.all(ok))
+
+
+def saturate(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """A constant in ``dtype``, finite values beyond its range clipped to its largest finite one.
+
+  ``jnp.finfo(jnp.float32).max`` and ``.min`` (``jnp.nan_to_num``'s and Flax's
+  attention mask's sentinels, traced in float32) become the half dtype's.
+
+  Examples:
+    >>> float(saturate(np.float32(-3.4e38), np.dtype("float16")))
+    -65504.0
+    >>> float(saturate(np.inf, np.dtype("float16")))
+    inf
+  """
+  v = np.asarray(value, np.float64)
+  big = float(jnp.finfo(dtype).max)
+  v = np.where(np.isfinite(v), np.clip(v, -big, big), v)
+  return np.asarray(v, dtype)[()] if np.ndim(value) == 0 else np.asarray(v, dtype)
+
+
+def canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
+  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
+
+  A nested jit is evaluated once per input types and metas: renamed, the
+  metas of two calls that share their pattern of sources are equal.
+  """
+  names: dict[Any, int] = {}
+  out = [m if m is None or m.source is None
+         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
+  return out, {v: k for k, v in names.items()}
+
+
+def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
+  """Output metas of a body evaluated on :func:`canonical` metas, in the caller's sources."""
+  new: dict[Any, Any] = {}
+  return [m if m is None or m.source is None else m._replace(
+      source=back[m.source] if m.source in back else new.setdefault(m.source, fresh()))
+          for m in metas]
