@@ -128,13 +128,6 @@ def test_fp8_gemm_dims_not_multiples_of_16_are_padded_for_cublaslt_and_taken_by_
   assert not re.search(r"f8e4m3fn\[(?:112|208),", triton)  # unpadded
 
 
-def test_without_the_plugin_the_command_says_what_to_install(monkeypatch, capsys):
-  monkeypatch.setattr(gpu_compile, "plugin_missing", lambda: gpu_compile.PLUGIN_HINT)
-  with pytest.raises(SystemExit) as e:
-    fp8_sizes.main(["--smoke"])
-  assert e.value.code == 2 and "pip install -e '.[gpu]'" in capsys.readouterr().err
-
-
 @needs_plugin
 def test_a_negative_launch_cost_is_a_usage_error(capsys):
   with pytest.raises(SystemExit) as e:

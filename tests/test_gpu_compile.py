@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import fp8_sizes
 from benchmarks import gpu_compile
 from benchmarks import hlo_census
 from benchmarks import models
@@ -75,10 +76,12 @@ def test_fp8_step_needs_less_memory_than_bf16_autocast_on_the_transformer():
   assert fp8["temp_bytes"] < bf16["temp_bytes"], (fp8["temp_bytes"], bf16["temp_bytes"])
 
 
-def test_without_the_plugin_the_command_says_what_to_install(monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["gpu_compile", "fp8_sizes"])
+def test_without_the_plugin_the_command_says_what_to_install(command, monkeypatch, capsys):
   monkeypatch.setattr(gpu_compile, "plugin_missing", lambda: gpu_compile.PLUGIN_HINT)
+  main = {"gpu_compile": gpu_compile.main, "fp8_sizes": fp8_sizes.main}[command]
   with pytest.raises(SystemExit) as e:
-    gpu_compile.main(["--smoke"])
+    main(["--smoke"])
   assert e.value.code == 2 and "pip install -e '.[gpu]'" in capsys.readouterr().err
 
 
