@@ -102,7 +102,7 @@ def build_vit(preset: str, seed: int = 0) -> models.Problem:
 
   Examples:
     >>> p = build_vit("smoke")
-    >>> p.batch["x"].shape, p.loss_fn(p.params, p.batch).shape
+    >>> p.batch["x"].shape, jax.eval_shape(p.loss_fn, p.params, p.batch).shape
     ((2, 8, 8, 3), ())
   """
   cfg = dict(VIT_PRESETS[preset])

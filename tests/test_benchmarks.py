@@ -39,6 +39,9 @@ from benchmarks import sweep
 from benchmarks import variants as variants_lib
 import jmp_lite as jmp
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_benchmarks")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOKE_VARIANTS = ("fp32", "bf16", "f16_dynamic", "f16_noscale", "jmp_dynamic", "flax_dynamic")
 

@@ -23,6 +23,9 @@ from conftest import assert_bitwise_equal
 from conftest import regression_loss
 from conftest import regression_params
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_faults")
+
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 4
 MIN_SCALE = 1.0

@@ -14,6 +14,9 @@ from sklearn.datasets import load_digits
 import jmp_lite as jmp
 from conftest import assert_bitwise_equal
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_flax")
+
 
 @pytest.fixture(scope="module")
 def digits():

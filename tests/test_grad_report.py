@@ -14,6 +14,9 @@ import pytest
 
 import jmp_lite as jmp
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_grad_report")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 F16_MAX = 65504.0

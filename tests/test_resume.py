@@ -25,6 +25,9 @@ from conftest import assert_bitwise_equal
 from conftest import regression_loss
 from conftest import regression_params
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_resume")
+
 STEPS = 30
 POLICY = jmp.get_policy("mixed_float16")
 

@@ -16,6 +16,9 @@ import jmp_lite as jmp
 from conftest import regression_loss
 from conftest import regression_params
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_soak")
+
 STEPS = 5000
 OVERFLOW_RATE = 0.2
 MIN_SCALE = 1.0

@@ -20,6 +20,9 @@ import optax
 
 import jmp_lite as jmp
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_typing")
+
 
 def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
   return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
