@@ -253,6 +253,27 @@ def test_sensitivity_names_matmuls_without_a_weight_by_position():
   assert report.keep_rule(2) == "(?:^|/)(?:0)$"  # Only matmuls that read an argument.
 
 
+def test_sensitivity_compiles_once_whatever_the_number_of_matmuls():
+  """The rows come from one program: tracing ``fn`` does not grow with its matmuls."""
+
+  def traces_of(layers):
+    traces = []
+
+    def loss(p, x):
+      traces.append(1)
+      for w in p:
+        x = jnp.tanh(x @ w)
+      return jnp.mean(x ** 2)
+
+    keys = jax.random.split(jax.random.key(0), layers + 1)
+    p = [jax.random.normal(k, (16, 16)) for k in keys[1:]]
+    report = jmp.fp8_sensitivity(loss, p, jax.random.normal(keys[0], (32, 16)))
+    assert len(report.rows) == layers and all(r.grad_error > 0 for r in report.rows)
+    return len(traces)
+
+  assert traces_of(2) == traces_of(6)
+
+
 def test_sensitivity_bad_input():
   params, x = {"w": normal(0, (8, 8))}, normal(1, (4, 8))
   f = lambda p, x: jnp.sum(x @ p["w"])

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+import jax.numpy as jnp
+
 from jmp_lite._src import autocast_interpret as interp
 from jmp_lite._src import fp8_dot
 from jmp_lite._src import fp8_plan
+from jmp_lite._src import jaxpr_utils
 
 
 def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None]:
@@ -52,7 +55,13 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
   if interp.value_dtype(lhs) != cfg.dtype or interp.value_dtype(rhs) != cfg.dtype:
     return None
   params = interp.retarget(eqn, cfg.dtype)
-  return [fp8_dot.fp8_dot_general(
+  out = fp8_dot.fp8_dot_general(
       lhs, rhs, params["dimension_numbers"], recipe=recipe,
       precision=params.get("precision"),
-      preferred_element_type=params.get("preferred_element_type"))]
+      preferred_element_type=params.get("preferred_element_type"))
+  chosen = fp8_plan.run_time_choice(eqn)
+  if chosen is not None:  # fp8_sensitivity: FP8 only if this is the matmul it measures.
+    which, index = chosen
+    half = jaxpr_utils.bind(eqn, [lhs, rhs], params)[0]
+    out = jnp.where(which == index, out, half)
+  return [out]

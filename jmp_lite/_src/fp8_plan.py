@@ -66,19 +66,20 @@ class Plan:
   Attributes:
     matmuls: ``{id(eqn): Matmul}``.
     kept: the indices that keep rules keep in the half dtype.
-    only: when set, the indices that may run in FP8 (``fp8_sensitivity``);
-      every other matmul runs in the half dtype.
+    which: when set (``fp8_sensitivity``), a traced int32 scalar: the matmul
+      numbered ``which`` runs in FP8 and every other in the half dtype. Each
+      computes both products and picks one at run time, so that one compiled
+      program measures every matmul in turn.
   """
 
   matmuls: Mapping[int, Matmul]
   kept: frozenset[int] = frozenset()
-  only: Union[frozenset[int], None] = None
+  which: Any = None
 
 
 _ACTIVE: contextvars.ContextVar[Union[Plan, None]] = contextvars.ContextVar(
     "jmp_lite_fp8_plan", default=None)
-_ONLY: contextvars.ContextVar[Union[frozenset[int], None]] = contextvars.ContextVar(
-    "jmp_lite_fp8_only", default=None)
+_WHICH: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_lite_fp8_which", default=None)
 
 
 def _dims(eqn: Any) -> tuple[int, int, int, int]:
@@ -162,7 +163,7 @@ def matmuls(jaxpr: Any, paths: Sequence[Union[str, None]]) -> list[tuple[Any, Ma
 
 def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
          recipe: Float8Recipe) -> Plan:
-  """The :class:`Plan` of ``jaxpr`` under ``recipe``'s keep rules (and :func:`selecting`).
+  """The :class:`Plan` of ``jaxpr`` under ``recipe``'s keep rules (and :func:`choosing`).
 
   A keep rule that keeps no matmul warns (``UserWarning``), naming the rule
   and the paths the matmuls read, as the policy's keep rules do; so does a
@@ -183,7 +184,7 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
     policy_lib.warn_unmatched(keep, read, "the Float8Recipe",
                               "argument leaf that a matmul reads", "no matmul in half",
                               "leaves the matmuls read")
-  return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), _ONLY.get())
+  return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), _WHICH.get())
 
 
 _TOO_SMALL_MSG = (
@@ -209,13 +210,17 @@ def _warn_if_all_too_small(found: list[tuple[Any, Matmul]], recipe: Float8Recipe
 
 
 @contextlib.contextmanager
-def selecting(only: Union[frozenset[int], None]) -> Iterator[None]:
-  """Plans made while the block runs let only the matmuls numbered ``only`` run in FP8."""
-  token = _ONLY.set(only)
+def choosing(which: Any) -> Iterator[None]:
+  """Plans made while the block runs put only matmul number ``which`` (traced) in FP8.
+
+  ``which`` is an int32 scalar of the trace the plans are made in; a value
+  that numbers no matmul (``-1``) leaves every matmul in the half dtype.
+  """
+  token = _WHICH.set(which)
   try:
     yield
   finally:
-    _ONLY.reset(token)
+    _WHICH.reset(token)
 
 
 @contextlib.contextmanager
@@ -232,7 +237,9 @@ def decide(eqn: Any, recipe: Float8Recipe) -> bool:
   """Whether ``eqn`` (a half-list ``dot_general``) runs in FP8 under ``recipe`` and the active plan.
 
   FP8 unless a keep rule keeps it, it is smaller than ``recipe.min_size`` in
-  one of its three GEMM sizes, or a sensitivity run leaves it out.
+  one of its three GEMM sizes, or it is not in the plan while a sensitivity
+  run chooses (:func:`choosing`); then :func:`run_time_choice` says whether
+  the FP8 product is used.
   """
   lhs_free, contracting, rhs_free, _ = _dims(eqn)
   if min(lhs_free, contracting, rhs_free) < recipe.min_size:
@@ -242,5 +249,12 @@ def decide(eqn: Any, recipe: Float8Recipe) -> bool:
     return True
   m = p.matmuls.get(id(eqn))
   if m is None:  # Not in the traced function's jaxpr (a rule run later): as configured.
-    return p.only is None
-  return m.index not in p.kept and (p.only is None or m.index in p.only)
+    return p.which is None
+  return m.index not in p.kept
+
+
+def run_time_choice(eqn: Any) -> Union[tuple[Any, int], None]:
+  """``(which, index)`` when a sensitivity run chooses ``eqn``'s precision at run time."""
+  p = _ACTIVE.get()
+  m = None if p is None or p.which is None else p.matmuls.get(id(eqn))
+  return None if m is None else (p.which, m.index)  # type: ignore[union-attr]

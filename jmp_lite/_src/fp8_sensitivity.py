@@ -137,27 +137,31 @@ def _weight(m: fp8_plan.Matmul) -> Union[str, None]:
   return (first or list(m.paths) or [None])[0]  # type: ignore[list-item]
 
 
-Runner = Callable[[Union[Float8Recipe, None], Union[frozenset[int], None]], tuple[Any, Any]]
+Runner = Callable[[int], tuple[Any, Any]]
 
 
-def _runner(fn: Callable[..., Any], args: tuple[Any, ...],
-            dtype: np.dtype) -> tuple[Runner, list[int]]:
-  """``run(recipe, only)``: the output leaves and the gradient of every floating argument leaf."""
+def _runner(fn: Callable[..., Any], args: tuple[Any, ...], dtype: np.dtype,
+            recipe: Float8Recipe) -> tuple[Runner, list[int]]:
+  """``run(which)``: the output leaves and the gradient of every floating argument leaf.
+
+  One program, compiled once: every matmul computes its FP8 and its half
+  product, and the traced ``which`` picks the FP8 one for matmul ``which``
+  only (``-1``: none).
+  """
   traced, spec = filtering.partition(args)
   floating = [i for i, x in enumerate(traced) if tree_utils.is_floating_array(x)]
+  f = autocast_lib.autocast(fn, dtype, fp8=recipe)
 
-  def run(recipe: Union[Float8Recipe, None], only: Union[frozenset[int], None]) -> tuple[Any, Any]:
-    f = autocast_lib.autocast(fn, dtype, fp8=recipe)
+  def call(values: list[Any]) -> list[Any]:
+    leaves = list(traced)
+    for i, v in zip(floating, values):
+      leaves[i] = v
+    out = f(*filtering.combine(leaves, spec))
+    return [x for x in jax.tree.leaves(out) if tree_utils.is_floating_array(x)]
 
-    def call(values: list[Any]) -> list[Any]:
-      leaves = list(traced)
-      for i, v in zip(floating, values):
-        leaves[i] = v
-      out = f(*filtering.combine(leaves, spec))
-      return [x for x in jax.tree.leaves(out) if tree_utils.is_floating_array(x)]
-
-    @jax.jit
-    def outputs_and_grads(values: list[Any]) -> tuple[Any, Any]:
+  @jax.jit
+  def outputs_and_grads(values: list[Any], which: jax.Array) -> tuple[Any, Any]:
+    with fp8_plan.choosing(which):  # Read by autocast's plan as it traces.
       out, vjp = jax.vjp(call, values)
       # A scalar output (a loss) is differentiated as it is; others along fixed
       # random directions, the same in every run.
@@ -166,8 +170,10 @@ def _runner(fn: Callable[..., Any], args: tuple[Any, ...],
              jax.random.normal(k, o.shape).astype(o.dtype) for k, o in zip(keys, out)]
       return out, vjp(cts)[0]
 
-    with fp8_plan.selecting(only):  # Read by autocast's plan while jit traces.
-      out, grads = outputs_and_grads([traced[i] for i in floating])
+  values = [traced[i] for i in floating]
+
+  def run(which: int) -> tuple[Any, Any]:
+    out, grads = outputs_and_grads(values, jnp.int32(which))
     return [np.asarray(x, np.float64) for x in out], [np.asarray(x, np.float64) for x in grads]
 
   return run, floating
@@ -185,8 +191,10 @@ def fp8_sensitivity(fn: Callable[..., Any], *args: Any, dtype: DTypeLike = jnp.b
   that every matmul gets a row). Each row gives the matmul's argument paths
   (as FP8 keep rules see them under :func:`autocast`: ``0/params/Dense_1/kernel``)
   or its position and name, its sizes, and the relative error the FP8 run
-  adds to the output and to the gradient of the weight it reads. Each run
-  compiles once: a model with many matmuls takes as many compiles.
+  adds to the output and to the gradient of the weight it reads. It compiles
+  once: every matmul computes both its half and its FP8 product and a run-time
+  index picks which one is used, so a run costs about twice the matmul work
+  of ``fn`` and its gradient.
 
   Args:
     fn: the function, e.g. a loss ``loss_fn(params, batch)`` or ``model.apply``.
@@ -227,12 +235,12 @@ def fp8_sensitivity(fn: Callable[..., Any], *args: Any, dtype: DTypeLike = jnp.b
   found = _matmuls(fn, traced, spec, [paths[i] for i in positions])
   if not found:
     raise ValueError("fn has no floating matmul (dot_general) for FP8 to run")
-  run, floating = _runner(fn, args, dtype)
+  run, floating = _runner(fn, args, dtype, recipe)
   grad_index = {paths[i]: k for k, i in enumerate(floating)}
-  ref_out, ref_grads = run(None, None)
+  ref_out, ref_grads = run(-1)
   rows = []
   for m in found:
-    out, grads = run(recipe, frozenset({m.index}))
+    out, grads = run(m.index)
     weight = _weight(m)
     g = grad_index.get(weight) if weight else None
     rows.append(Float8SensitivityRow(
