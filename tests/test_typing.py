@@ -7,6 +7,9 @@ import textwrap
 
 import pytest
 
+# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_typing")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A user's file: the README's quickstart, typed. It must check under the
@@ -19,10 +22,6 @@ import jax.numpy as jnp
 import optax
 
 import jmp_lite as jmp
-
-# Its module-scoped fixtures run once: all its tests on one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("test_typing")
-
 
 def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
   return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
