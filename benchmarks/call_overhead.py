@@ -55,6 +55,7 @@ from flax.training import train_state
 from benchmarks import bars as bars_lib
 from benchmarks import cli
 from benchmarks import measure
+from benchmarks import models
 from benchmarks import report
 import jmp_lite as jmp
 
@@ -87,28 +88,6 @@ class BiLSTM(nn.Module):
     return nn.Dense(2)(jnp.mean(x, axis=1))
 
 
-class ViT(nn.Module):
-  """Patch embedding, pre-LN encoder blocks, a class token, a linear head."""
-
-  dim: int
-  depth: int
-  heads: int
-  patch: int
-
-  @nn.compact
-  def __call__(self, images: jax.Array) -> jax.Array:
-    x = nn.Conv(self.dim, (self.patch, self.patch), strides=self.patch)(images)
-    x = x.reshape(x.shape[0], -1, self.dim)
-    cls = self.param("cls", nn.initializers.zeros, (1, 1, self.dim))
-    x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.dim)), x], axis=1)
-    x = x + self.param("pos", nn.initializers.normal(0.02), x.shape[1:])
-    for _ in range(self.depth):
-      x = x + nn.MultiHeadDotProductAttention(self.heads)(nn.LayerNorm()(x))
-      y = nn.Dense(self.dim)(nn.gelu(nn.Dense(2 * self.dim)(nn.LayerNorm()(x))))
-      x = x + y
-    return nn.Dense(10)(nn.LayerNorm()(x[:, 0]))
-
-
 def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
@@ -126,7 +105,8 @@ def build(model: str, smoke: bool) -> tuple[Callable[..., Any], Any, Any]:
     inputs = jnp.asarray(rng.integers(0, 500, (8 if smoke else 32, 8 if smoke else 24)), jnp.int32)
     classes = 2
   else:
-    net = ViT(dim=16 if smoke else 32, depth=1 if smoke else 2, heads=2, patch=4)
+    net = models.ViT(patch=4, hidden=16 if smoke else 32, heads=2, layers=1 if smoke else 2,
+                     classes=10, mlp_ratio=2)
     inputs = jnp.asarray(rng.standard_normal((8 if smoke else 32, 16, 16, 3)), jnp.float32)
     classes = 10
   batch = {"x": inputs, "y": jnp.asarray(rng.integers(0, classes, inputs.shape[0]), jnp.int32)}

@@ -94,6 +94,31 @@ class EncoderBlock(nn.Module):
     return x + y
 
 
+class ViT(nn.Module):
+  """A Vision Transformer from stock Linen layers: conv patches, a class token,
+  learned positions, pre-LayerNorm encoder blocks and a linear head."""
+
+  patch: int
+  hidden: int
+  heads: int
+  layers: int
+  classes: int
+  mlp_ratio: int = 4
+
+  @nn.compact
+  def __call__(self, images: jax.Array) -> jax.Array:
+    x = nn.Conv(self.hidden, (self.patch, self.patch), strides=self.patch)(images)
+    x = x.reshape(x.shape[0], -1, self.hidden)
+    cls = self.param("cls", nn.initializers.zeros, (1, 1, self.hidden))
+    x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (x.shape[0], 1, self.hidden)), x],
+                        axis=1)
+    pos = self.param("pos", nn.initializers.normal(0.02), x.shape[1:])
+    x = x + pos.astype(x.dtype)
+    for _ in range(self.layers):
+      x = EncoderBlock(self.hidden, self.heads, self.mlp_ratio * self.hidden)(x)
+    return nn.Dense(self.classes)(nn.LayerNorm()(x[:, 0]))
+
+
 class Transformer(nn.Module):
   """Token and position embeddings, an encoder stack and a per-token vocab head."""
 

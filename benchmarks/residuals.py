@@ -36,7 +36,6 @@ import argparse
 import sys
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,43 +59,6 @@ VIT_PRESETS = {
 }
 
 
-class ViTBlock(nn.Module):
-  """Pre-LayerNorm encoder block from stock Linen layers."""
-
-  hidden: int
-  heads: int
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    y = nn.LayerNorm()(x)
-    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y)
-    y = nn.Dense(self.hidden)(nn.gelu(nn.Dense(4 * self.hidden)(nn.LayerNorm()(x))))
-    return x + y
-
-
-class ViT(nn.Module):
-  """A Vision Transformer: conv patches, a class token, learned positions, encoder, head."""
-
-  patch: int
-  hidden: int
-  heads: int
-  layers: int
-  classes: int
-
-  @nn.compact
-  def __call__(self, images: jax.Array) -> jax.Array:
-    x = nn.Conv(self.hidden, (self.patch, self.patch), strides=self.patch)(images)
-    x = x.reshape(x.shape[0], -1, self.hidden)
-    cls = self.param("cls", nn.initializers.zeros, (1, 1, self.hidden))
-    x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (x.shape[0], 1, self.hidden)), x],
-                        axis=1)
-    pos = self.param("pos", nn.initializers.normal(0.02), x.shape[1:])
-    x = x + pos.astype(x.dtype)
-    for _ in range(self.layers):
-      x = ViTBlock(self.hidden, self.heads)(x)
-    return nn.Dense(self.classes)(nn.LayerNorm()(x[:, 0]))
-
-
 def build_vit(preset: str, seed: int = 0) -> models.Problem:
   """The ViT problem: random images (never zeros), integer labels, softmax cross-entropy.
 
@@ -107,7 +69,7 @@ def build_vit(preset: str, seed: int = 0) -> models.Problem:
   """
   cfg = dict(VIT_PRESETS[preset])
   k_init, k_x, k_y = jax.random.split(jax.random.key(seed), 3)
-  module = ViT(cfg["patch"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["classes"])
+  module = models.ViT(cfg["patch"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["classes"])
   x = jax.random.normal(k_x, (cfg["batch"], cfg["image"], cfg["image"], 3), jnp.float32)
   y = jax.random.randint(k_y, (cfg["batch"],), 0, cfg["classes"])
   params = jax.jit(module.init)(k_init, x)["params"]
