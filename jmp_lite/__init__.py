@@ -4,41 +4,41 @@ A drop-in replacement for DeepMind's ``jmp`` (``import jmp_lite as jmp``) plus a
 optax loss-scaling transformation and a jit-compiled train step.
 """
 
-from jmp_lite._src.autocast import autocast
-from jmp_lite._src.autocast_lists import AutocastLists
-from jmp_lite._src.fp8 import Float8Recipe
-from jmp_lite._src.fp8_sensitivity import Float8Sensitivity
-from jmp_lite._src.fp8_sensitivity import Float8SensitivityRow
-from jmp_lite._src.fp8_sensitivity import fp8_sensitivity
-from jmp_lite._src.grad_report import GradientReport
-from jmp_lite._src.grad_report import LeafStats
-from jmp_lite._src.grad_report import gradient_report
-from jmp_lite._src.grad_report import nonfinite_paths
-from jmp_lite._src.lint import LintFinding
-from jmp_lite._src.lint import LintFindings
-from jmp_lite._src.lint import precision_lint
-from jmp_lite._src.loss_scale import DynamicLossScale
-from jmp_lite._src.loss_scale import LossScale
-from jmp_lite._src.loss_scale import NoOpLossScale
-from jmp_lite._src.loss_scale import StaticLossScale
-from jmp_lite._src.loss_scale import all_finite
-from jmp_lite._src.loss_scale import select_tree
+from jmp_lite._src.autocast.autocast import autocast
+from jmp_lite._src.autocast.lists import AutocastLists
+from jmp_lite._src.fp8.recipe import Float8Recipe
+from jmp_lite._src.diagnostics.fp8_sensitivity import Float8Sensitivity
+from jmp_lite._src.diagnostics.fp8_sensitivity import Float8SensitivityRow
+from jmp_lite._src.diagnostics.fp8_sensitivity import fp8_sensitivity
+from jmp_lite._src.diagnostics.grad_report import GradientReport
+from jmp_lite._src.diagnostics.grad_report import LeafStats
+from jmp_lite._src.diagnostics.grad_report import gradient_report
+from jmp_lite._src.diagnostics.grad_report import nonfinite_paths
+from jmp_lite._src.diagnostics.lint import LintFinding
+from jmp_lite._src.diagnostics.lint import LintFindings
+from jmp_lite._src.diagnostics.lint import precision_lint
+from jmp_lite._src.scaling.loss_scale import DynamicLossScale
+from jmp_lite._src.scaling.loss_scale import LossScale
+from jmp_lite._src.scaling.loss_scale import NoOpLossScale
+from jmp_lite._src.scaling.loss_scale import StaticLossScale
+from jmp_lite._src.scaling.loss_scale import all_finite
+from jmp_lite._src.scaling.loss_scale import select_tree
 from jmp_lite._src.masters import apply_updates
 from jmp_lite._src.policy import Policy
 from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
 from jmp_lite._src.policy import get_policy
 from jmp_lite._src.policy import half_dtype
-from jmp_lite._src.precision_report import PrecisionReport
-from jmp_lite._src.precision_report import precision_report
-from jmp_lite._src.train_state import TrainState
-from jmp_lite._src.eval_step import make_eval_step
-from jmp_lite._src.step import make_train_step
-from jmp_lite._src.transform import LossScaleState
-from jmp_lite._src.transform import dynamic_loss_scaling
-from jmp_lite._src.transform import loss_scale_of
-from jmp_lite._src.transform import skipped_steps_of
-from jmp_lite._src.transform import static_loss_scaling
+from jmp_lite._src.diagnostics.precision_report import PrecisionReport
+from jmp_lite._src.diagnostics.precision_report import precision_report
+from jmp_lite._src.step.train_state import TrainState
+from jmp_lite._src.step.eval import make_eval_step
+from jmp_lite._src.step.make import make_train_step
+from jmp_lite._src.scaling.transform import LossScaleState
+from jmp_lite._src.scaling.transform import dynamic_loss_scaling
+from jmp_lite._src.scaling.transform import loss_scale_of
+from jmp_lite._src.scaling.transform import skipped_steps_of
+from jmp_lite._src.scaling.transform import static_loss_scaling
 
 __version__ = "0.1.0"
 

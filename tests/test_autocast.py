@@ -19,9 +19,9 @@ from jax.extend.core import primitives as jex_primitives
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jmp_lite as jmp
-from jmp_lite._src import autocast_fp8
-from jmp_lite._src import autocast_interpret as interp
-from jmp_lite._src import autocast_lists
+from jmp_lite._src.autocast import fp8_rule as autocast_fp8
+from jmp_lite._src.autocast import interpret as interp
+from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src import jaxpr_utils
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)

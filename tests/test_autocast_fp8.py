@@ -19,7 +19,7 @@ from sklearn.datasets import load_digits
 
 import jmp_lite as jmp
 from jmp_lite._src import jaxpr_utils
-from jmp_lite._src import precision_report as report_lib
+from jmp_lite._src.diagnostics import precision_report as report_lib
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"

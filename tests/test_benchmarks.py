@@ -26,12 +26,12 @@ import pytest
 from benchmarks import autocast
 from benchmarks import call_overhead
 from benchmarks import bars as bars_lib
-from benchmarks import cpu_profile
-from benchmarks import kahan_limits
+from benchmarks.studies import cpu_profile
+from benchmarks.studies import kahan_limits
 from benchmarks import masters
 from benchmarks import measure
 from benchmarks import models
-from benchmarks import overhead_study
+from benchmarks.studies import overhead_study
 from benchmarks import residuals
 from benchmarks import report
 from benchmarks import run
@@ -451,7 +451,7 @@ def test_time_once_checks_the_last_output_of_each_sample():
   assert len(live.cpu_times) == 2
 
 
-# --- benchmarks.kahan_limits (issue 22, item 15) -------------------------------------------
+# --- benchmarks.studies.kahan_limits (issue 22, item 15) -------------------------------------------
 
 
 def test_kahan_limits_bf16_compensation_stalls_below_its_limit():
@@ -474,7 +474,7 @@ def test_kahan_limits_bf16_compensation_stalls_below_its_limit():
 
 @pytest.mark.slow
 def test_kahan_limits_smoke(tmp_path):
-  proc, files, result = _smoke_result("benchmarks.kahan_limits", tmp_path)
+  proc, files, result = _smoke_result("benchmarks.studies.kahan_limits", tmp_path)
   assert [row["update"] for row in result["rows"]] == list(kahan_limits.SMOKE_UPDATES)
   assert set(result["limits"]["limit"]) == set(kahan_limits.VARIANTS)
   assert result["bytes_per_param"]["bf16_kahan_f32c"] == 6

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jmp_lite._src import fp8_dot
+from jmp_lite._src.fp8 import dot as fp8_dot
 from jmp_lite._src import jaxpr_utils
-from jmp_lite._src.fp8 import FLOAT8_DTYPES, Float8Recipe, as_recipe
-from jmp_lite._src.fp8_dot import dequantize, fp8_dot_general, quantize, scale_inv
+from jmp_lite._src.fp8.recipe import FLOAT8_DTYPES, Float8Recipe, as_recipe
+from jmp_lite._src.fp8.dot import dequantize, fp8_dot_general, quantize, scale_inv
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)

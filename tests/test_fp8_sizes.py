@@ -16,7 +16,7 @@ import pytest
 from benchmarks import fp8_sizes
 from benchmarks import gpu_compile
 from benchmarks import hlo_census
-from jmp_lite._src import fp8 as fp8_lib
+from jmp_lite._src.fp8 import recipe as fp8_lib
 
 needs_plugin = pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
                                   reason=str(gpu_compile.plugin_missing()))

@@ -92,3 +92,52 @@ def test_readme_lean_masters_example_runs():
   assert params["w"].dtype == params["b"].dtype == namespace["comp"]["w"].dtype == "bfloat16"
   loss = namespace["loss_fn"](to_f32(params), namespace["x"], namespace["y"])
   assert float(loss) < 1e-3
+
+
+# The floors of docs/architecture.md ("The house"): a module imports from its own
+# package or from a lower floor, never from a higher one.
+FLOORS = {
+    "tree_utils": 1, "checks": 1, "filtering": 1, "jaxpr_utils": 1,
+    "policy": 2, "masters": 2, "scaling": 2,
+    "fp8": 3,
+    "autocast": 4,
+    "step": 5,
+    "diagnostics": 6,
+}
+
+
+def _src_imports():
+  """(importing room, imported room) for every import between jmp_lite._src modules."""
+  import ast  # pylint: disable=import-outside-toplevel
+  src = pathlib.Path(jmp_lite.__file__).parent / "_src"
+  modules = {p.relative_to(src).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+             for p in src.rglob("*.py")}
+  pairs = []
+  for path in src.rglob("*.py"):
+    room = path.relative_to(src).parts[0].removesuffix(".py")
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jmp_lite._src"):
+        base = node.module.removeprefix("jmp_lite._src").lstrip(".")
+        for alias in node.names:
+          name = f"{base}.{alias.name}" if base else alias.name
+          target = name if name in modules else base
+          pairs.append((path.name, room, target.split(".")[0]))
+  return modules, pairs
+
+
+def test_every_module_has_a_floor_and_imports_only_downward():
+  modules, pairs = _src_imports()
+  rooms = {m.split(".")[0] for m in modules if m != "__init__"}
+  assert rooms == set(FLOORS), "place new rooms in FLOORS and docs/architecture.md"
+  assert pairs
+  upward = [(f, room, target) for f, room, target in pairs
+            if room != target and FLOORS[target] >= FLOORS[room]]
+  assert not upward, upward
+
+
+def test_architecture_doc_shows_every_room():
+  doc = (ROOT / "docs" / "architecture.md").read_text()
+  house = re.search(r"```\n(floor 6.*?)```", doc, re.S).group(1)
+  for room, floor in FLOORS.items():
+    line = next(l for l in house.splitlines() if l.startswith(f"floor {floor} "))
+    assert re.search(rf"\b{room}\b", line), (room, line)

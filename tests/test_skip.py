@@ -1,4 +1,4 @@
-"""The skip (jmp_lite/_src/skip.py): one decision, one fused reduction, exact pass-through."""
+"""The skip (jmp_lite/_src/scaling/skip.py): one decision, one fused reduction, exact pass-through."""
 
 import re
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jmp_lite as jmp
-from jmp_lite._src import skip
+from jmp_lite._src.scaling import skip
 from conftest import assert_bitwise_equal
 
 

@@ -133,7 +133,7 @@ def test_a_call_does_no_python_work_per_leaf(monkeypatch):
   # Issue 31 item 5: the structure checks ran on the Python side of every call
   # (flattening the params and the batch); they now run when jax retraces.
   from jmp_lite._src import filtering
-  from jmp_lite._src import step_call
+  from jmp_lite._src.step import call as step_call
 
   calls = []
 

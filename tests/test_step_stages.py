@@ -8,7 +8,7 @@ import pytest
 
 import jmp_lite as jmp
 from conftest import assert_bitwise_equal
-from jmp_lite._src import step_stages as stages
+from jmp_lite._src.step import stages
 
 F16 = jmp.get_policy("mixed_float16")
 

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jmp_lite as jmp
-from jmp_lite._src import transform
+from jmp_lite._src.scaling import transform
 from conftest import assert_bitwise_equal
 from conftest import gradscaler_model
 

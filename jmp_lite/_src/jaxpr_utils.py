@@ -1,7 +1,7 @@
 """Reading jaxprs: sub-jaxprs, data flow and source lines.
 
-Shared by :mod:`jmp_lite._src.lint` (which reads a jaxpr) and
-:mod:`jmp_lite._src.autocast` (which re-evaluates one). Higher-order
+Shared by :mod:`jmp_lite._src.diagnostics.lint` (which reads a jaxpr) and
+:mod:`jmp_lite._src.autocast.autocast` (which re-evaluates one). Higher-order
 primitives (``jit``, ``closed_call``, ``scan``, ``while``, ``cond``,
 ``remat``, ``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``, ...) keep
 their bodies in their params as ``Jaxpr`` or ``ClosedJaxpr`` values;

@@ -1,8 +1,8 @@
 """Where Kahan-compensated bfloat16 masters stop tracking float32: tiny updates, measured.
 
-    python -m benchmarks.kahan_limits                            # a few seconds on a 2-core CPU; writes out/
-    python -m benchmarks.kahan_limits --out benchmarks/results   # regenerate the committed results
-    python -m benchmarks.kahan_limits --smoke                    # seconds, for CI; writes to a temp folder
+    python -m benchmarks.studies.kahan_limits                            # a few seconds on a 2-core CPU; writes out/
+    python -m benchmarks.studies.kahan_limits --out benchmarks/results   # regenerate the committed results
+    python -m benchmarks.studies.kahan_limits --smoke                    # seconds, for CI; writes to a temp folder
 
 Weights drawn uniformly from [0.5, 2] and rounded to bfloat16 (the same start
 for every variant) receive ``--steps`` identical updates ``+u``, for ``u`` from
@@ -62,7 +62,7 @@ from benchmarks import cli
 from benchmarks import report
 from jmp_lite._src import masters as lean  # the Kahan kernel, for the float32-buffer prototype
 
-PROG = "python -m benchmarks.kahan_limits"
+PROG = "python -m benchmarks.studies.kahan_limits"
 VARIANTS = ("fp32", "bf16_nearest", "bf16_stochastic", "bf16_kahan", "bf16_kahan_f32c")
 # Bytes per parameter of the master weights and their compensation buffer.
 BYTES = {"fp32": 4, "bf16_nearest": 2, "bf16_stochastic": 2, "bf16_kahan": 4,

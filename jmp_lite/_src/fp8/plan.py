@@ -26,7 +26,7 @@ from jax.extend import core as jex_core
 
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src.fp8 import Float8Recipe
+from jmp_lite._src.fp8.recipe import Float8Recipe
 
 # Ops through which a value keeps its source: same values, other dtype or layout.
 _PASS = frozenset({

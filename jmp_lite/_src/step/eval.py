@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import step_stages as stages
-from jmp_lite._src.fp8 import Float8Recipe
-from jmp_lite._src.step import check_fn_and_policy
-from jmp_lite._src.step import under_autocast
-from jmp_lite._src.step_call import FilteredJit
+from jmp_lite._src.step import stages
+from jmp_lite._src.fp8.recipe import Float8Recipe
+from jmp_lite._src.step.make import check_fn_and_policy
+from jmp_lite._src.step.make import under_autocast
+from jmp_lite._src.step.call import FilteredJit
 
 
 def make_eval_step(

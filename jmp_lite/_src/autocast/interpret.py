@@ -26,21 +26,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jmp_lite._src import autocast_lists
-from jmp_lite._src import autocast_promote as rules
-from jmp_lite._src import autocast_regions as regions
-from jmp_lite._src import autocast_values as values
+from jmp_lite._src.autocast import lists as autocast_lists
+from jmp_lite._src.autocast import promote as rules
+from jmp_lite._src.autocast import regions
+from jmp_lite._src.autocast import values
 from jmp_lite._src import jaxpr_utils
 # What the handlers (autocast_control) and half rules (autocast_fp8) read from here.
-from jmp_lite._src.autocast_values import ELIGIBLE as ELIGIBLE
-from jmp_lite._src.autocast_values import F32 as F32
-from jmp_lite._src.autocast_values import HALVES as HALVES
-from jmp_lite._src.autocast_values import bind_original as bind_original
-from jmp_lite._src.autocast_values import cast_all as cast_all
-from jmp_lite._src.autocast_values import is_constant_value as is_constant_value
-from jmp_lite._src.autocast_values import join as join
-from jmp_lite._src.autocast_values import retarget as retarget
-from jmp_lite._src.autocast_values import value_dtype as value_dtype
+from jmp_lite._src.autocast.values import ELIGIBLE as ELIGIBLE
+from jmp_lite._src.autocast.values import F32 as F32
+from jmp_lite._src.autocast.values import HALVES as HALVES
+from jmp_lite._src.autocast.values import bind_original as bind_original
+from jmp_lite._src.autocast.values import cast_all as cast_all
+from jmp_lite._src.autocast.values import is_constant_value as is_constant_value
+from jmp_lite._src.autocast.values import join as join
+from jmp_lite._src.autocast.values import retarget as retarget
+from jmp_lite._src.autocast.values import value_dtype as value_dtype
 
 Moved = values.Moved
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import fp8 as fp8_lib
-from jmp_lite._src import precision_report
-from jmp_lite._src import provenance
-from jmp_lite._src import step_trace
+from jmp_lite._src.fp8 import recipe as fp8_lib
+from jmp_lite._src.diagnostics import precision_report
+from jmp_lite._src.diagnostics import provenance
+from jmp_lite._src.step import trace as step_trace
 
 _F16 = np.dtype(jnp.float16)
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))

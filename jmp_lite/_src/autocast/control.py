@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jmp_lite._src import autocast_interpret as interp
-from jmp_lite._src import autocast_promote as rules
+from jmp_lite._src.autocast import interpret as interp
+from jmp_lite._src.autocast import promote as rules
 from jmp_lite._src import jaxpr_utils
 
 # Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches

@@ -22,7 +22,7 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from jmp_lite._src import checks
-from jmp_lite._src import plotting
+from jmp_lite._src.diagnostics import plotting
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
 

@@ -21,12 +21,12 @@ from typing import Any, Callable, NamedTuple, Union
 import jax
 import jax.numpy as jnp
 
-from jmp_lite._src import autocast as autocast_lib
+from jmp_lite._src.autocast import autocast as autocast_lib
 from jmp_lite._src import checks
 from jmp_lite._src import filtering
-from jmp_lite._src import fp8 as fp8_lib
+from jmp_lite._src.fp8 import recipe as fp8_lib
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import step_stages
+from jmp_lite._src.step import stages as step_stages
 
 PolicyLike = Union[policy_lib.Policy, str]
 

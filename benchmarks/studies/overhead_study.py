@@ -1,6 +1,6 @@
 """Where does the dynamic-scaling overhead of jmp_lite's step come from?
 
-``python -m benchmarks.overhead_study [--model mlp] [--steps 21]`` times, on
+``python -m benchmarks.studies.overhead_study [--model mlp] [--steps 21]`` times, on
 the same model, batch and Adam, interleaved like ``benchmarks.run``:
 
   base          the hand-written f16 step without scaling (``f16_noscale``).
@@ -155,7 +155,7 @@ def variants(problem: models.Problem) -> list[variants_lib.Variant]:
 
 def build_parser() -> argparse.ArgumentParser:
   """The command-line parser."""
-  p = cli.parser("python -m benchmarks.overhead_study", __doc__, "Modes: " + ", ".join(MODES))
+  p = cli.parser("python -m benchmarks.studies.overhead_study", __doc__, "Modes: " + ", ".join(MODES))
   p.add_argument(
       "--model", default="mlp", choices=models.MODELS, help="the model (default: %(default)s)"
   )

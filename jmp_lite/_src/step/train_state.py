@@ -20,7 +20,7 @@ from jax.typing import DTypeLike
 from jmp_lite._src import checks
 from jmp_lite._src import filtering
 from jmp_lite._src import masters
-from jmp_lite._src import transform
+from jmp_lite._src.scaling import transform
 from jmp_lite._src import tree_utils
 
 

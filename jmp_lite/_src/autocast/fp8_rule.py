@@ -15,9 +15,9 @@ from typing import Any, Union
 
 import jax.numpy as jnp
 
-from jmp_lite._src import autocast_interpret as interp
-from jmp_lite._src import fp8_dot
-from jmp_lite._src import fp8_plan
+from jmp_lite._src.autocast import interpret as interp
+from jmp_lite._src.fp8 import dot as fp8_dot
+from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 
 

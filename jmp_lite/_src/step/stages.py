@@ -28,13 +28,13 @@ import optax
 from jmp_lite._src import filtering
 from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import skip
-from jmp_lite._src import step_model_state
-from jmp_lite._src import transform
+from jmp_lite._src.scaling import skip
+from jmp_lite._src.step import model_state as step_model_state
+from jmp_lite._src.scaling import transform
 from jmp_lite._src import tree_utils
-from jmp_lite._src.train_state import TrainState
-from jmp_lite._src.train_state import step_rounding_key
-from jmp_lite._src.train_state import trained_part
+from jmp_lite._src.step.train_state import TrainState
+from jmp_lite._src.step.train_state import step_rounding_key
+from jmp_lite._src.step.train_state import trained_part
 
 _LOSS_MSG = "loss_fn must return a float scalar loss{aux}; got {what}"
 _AUX_MSG = "loss_fn was declared with has_aux=True and must return a (loss, aux) pair; got {what}"

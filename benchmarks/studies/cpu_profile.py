@@ -39,7 +39,7 @@ import jax
 from benchmarks import cli, measure, models, report
 from benchmarks import variants as variants_lib
 
-PROG = "python -m benchmarks.cpu_profile"
+PROG = "python -m benchmarks.studies.cpu_profile"
 DEFAULT_VARIANTS = ("f16_dynamic", "f16_noscale", "flax_dynamic")
 
 # (start_ns, end_ns, name) of one kernel on one thread.

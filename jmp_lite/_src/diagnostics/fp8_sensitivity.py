@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_lite._src import autocast as autocast_lib
+from jmp_lite._src.autocast import autocast as autocast_lib
 from jmp_lite._src import filtering
-from jmp_lite._src import fp8_plan
+from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import tree_utils
-from jmp_lite._src.fp8 import Float8Recipe
+from jmp_lite._src.fp8.recipe import Float8Recipe
 
 
 @dataclasses.dataclass(frozen=True)

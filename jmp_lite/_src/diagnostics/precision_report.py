@@ -15,10 +15,10 @@ import numpy as np
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from jmp_lite._src import fp8 as fp8_lib
+from jmp_lite._src.fp8 import recipe as fp8_lib
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import step_trace
+from jmp_lite._src.step import trace as step_trace
 
 # The classes, in table order, and the primitives in each. "norm stats" are
 # reductions whose result reaches an rsqrt/sqrt/div (a mean and a variance

@@ -12,8 +12,8 @@ import numpy as np
 import optax
 
 from jmp_lite._src import checks
-from jmp_lite._src import loss_scale as loss_scale_lib
-from jmp_lite._src import skip
+from jmp_lite._src.scaling import loss_scale as loss_scale_lib
+from jmp_lite._src.scaling import skip
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _F32_MAX = float(np.finfo(np.float32).max)

@@ -1,6 +1,6 @@
 """The train step: :func:`make_train_step` validates its arguments and composes the stages.
 
-The jitted body is the sequence of :mod:`jmp_lite._src.step_stages` (cast,
+The jitted body is the sequence of :mod:`jmp_lite._src.step.stages` (cast,
 scaled gradient, guarded update, write-back, model state, metrics), after the
 trace-time checks of the state; :class:`step_call.TrainStep` adds the checks
 that need Python (tree structures, static batch leaves, donation).
@@ -12,16 +12,16 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-from jmp_lite._src import autocast as autocast_lib
+from jmp_lite._src.autocast import autocast as autocast_lib
 from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
-from jmp_lite._src import step_stages as stages
-from jmp_lite._src import transform
-from jmp_lite._src.fp8 import Float8Recipe
-from jmp_lite._src.fp8 import as_recipe
-from jmp_lite._src.step_call import TrainStep
-from jmp_lite._src.train_state import TrainState
-from jmp_lite._src.train_state import check_masters
+from jmp_lite._src.step import stages
+from jmp_lite._src.scaling import transform
+from jmp_lite._src.fp8.recipe import Float8Recipe
+from jmp_lite._src.fp8.recipe import as_recipe
+from jmp_lite._src.step.call import TrainStep
+from jmp_lite._src.step.train_state import TrainState
+from jmp_lite._src.step.train_state import check_masters
 
 
 def make_train_step(

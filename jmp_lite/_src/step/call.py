@@ -1,6 +1,6 @@
 """Calling a jitted train step: the checks that need Python, and the jit wrapper.
 
-:class:`TrainStep` wraps the traced step (see :mod:`jmp_lite._src.step`) in
+:class:`TrainStep` wraps the traced step (see :mod:`jmp_lite._src.step.make`) in
 ``jax.jit``, or in :class:`FilteredJit` when the batch has static (non-array)
 leaves under :mod:`jmp_lite._src.filtering`'s rule (a :class:`TrainState`
 keeps its own static leaves in its tree structure). A call costs what the
@@ -22,7 +22,7 @@ import jax
 
 from jmp_lite._src import checks
 from jmp_lite._src import filtering
-from jmp_lite._src.train_state import TrainState
+from jmp_lite._src.step.train_state import TrainState
 
 _STRUCTURE_MSG = (
     "the {what} tree changed structure between calls of the same train step "

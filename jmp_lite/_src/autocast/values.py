@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jmp_lite._src import autocast_promote as rules
-from jmp_lite._src import autocast_regions as regions
+from jmp_lite._src.autocast import promote as rules
+from jmp_lite._src.autocast import regions
 from jmp_lite._src import jaxpr_utils
 
 F32 = rules.F32

@@ -22,8 +22,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jmp_lite._src.fp8 import Float8Recipe
-from jmp_lite._src.fp8 import float8_format
+from jmp_lite._src.fp8.recipe import Float8Recipe
+from jmp_lite._src.fp8.recipe import float8_format
 
 DotDimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]],
                             tuple[Sequence[int], Sequence[int]]]

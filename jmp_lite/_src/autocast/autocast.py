@@ -22,13 +22,13 @@ import jax
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_lite._src import autocast_control
-from jmp_lite._src import autocast_fp8
-from jmp_lite._src import autocast_interpret as interp
-from jmp_lite._src import autocast_lists
+from jmp_lite._src.autocast import control as autocast_control
+from jmp_lite._src.autocast import fp8_rule as autocast_fp8
+from jmp_lite._src.autocast import interpret as interp
+from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src import filtering
-from jmp_lite._src import fp8 as fp8_lib
-from jmp_lite._src import fp8_plan
+from jmp_lite._src.fp8 import recipe as fp8_lib
+from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import tree_utils
 
 T = TypeVar("T")

@@ -1,0 +1,1 @@
+"""jmp_lite._src.autocast."""
