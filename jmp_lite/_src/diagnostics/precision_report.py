@@ -57,7 +57,10 @@ class PrecisionReport(NamedTuple):
       an ``rsqrt``/``sqrt``: means and variances of a normalisation) and
       ``"other"`` (every other floating computation). A matmul on
       quantise-dequantised float8 operands is counted under its float8
-      format(s), e.g. ``"float8_e4m3fn"``.
+      format(s), e.g. ``"float8_e4m3fn"``. Every kind is a key, in that
+      order; a kind with no operations maps to ``{}`` (``counts["conv"]`` of a
+      model without convolutions). ``count(kind, dtype)`` reads one number,
+      0 where none ran.
   """
 
   counts: Mapping[str, Mapping[str, int]]
@@ -246,4 +249,4 @@ def precision_report(
   jaxpr = jaxpr_utils.without_dead_code(step_trace.trace(step, args, model_state).jaxpr)
   counts: dict[str, dict[str, int]] = {}
   count_ops(jaxpr, counts)
-  return PrecisionReport({k: counts[k] for k in KINDS if k in counts})
+  return PrecisionReport({k: counts.get(k, {}) for k in KINDS})
