@@ -359,3 +359,30 @@ def test_only_the_autocast_function_itself_is_recognised():
   assert jmp.precision_report(grad, params, x, policy=F16).count("matmul") == 5
   with pytest.raises(ValueError, match="fp8=None; got fp8=True"):
     jmp.precision_lint(wrapped, params, x, policy=F16, fp8=True)
+
+
+def test_the_cause_behind_most_float32_matmuls_is_named_first():
+  # Issue 37 item 5: a model whose config pins dtype=float32 ran all its matmuls in
+  # float32, but the lint named a float32 table made inside the function (RoPE's)
+  # first, and the pinned dtype only second.
+  dtype = jnp.float32  # a config's dtype field
+
+  def loss_fn(params, x):
+    table = jnp.sin(jnp.arange(8.0))  # made in float32
+    first = jnp.sum((x * table) @ params["w"][0])  # float32 for the table only
+    h = x.astype(dtype)
+    for w in params["w"]:
+      h = jnp.tanh(h @ w.astype(dtype))  # pinned
+    return first + jnp.sum((h * table) @ params["w"][0].astype(dtype))  # pinned, and the table
+
+  params = {"w": jnp.ones((3, 8, 8))}
+  found = jmp.precision_lint(loss_fn, params, jnp.ones((2, 8)), policy=F16)
+  made = "a float32 value made inside the function"
+  named = [f.reason.split(": ")[1].split(" (")[0] for f in found]
+  assert named == [made, PINS, PINS, PINS, PINS]  # In program order.
+  assert "; also " + made in found[-1].reason  # The pinned dtype explains 4 of 5: named first.
+  assert "set the layer's dtype to float16" in found[-1].reason
+  lines = str(found).splitlines()  # Printed, the line that explains the most comes first.
+  assert len(lines) == 3 and "dot_general (3 times)" in lines[0]
+  assert [f"float16: {PINS}" in l for l in lines] == [True, False, True]  # Ties: in order.
+  assert f"float16: {made}" in lines[1]
