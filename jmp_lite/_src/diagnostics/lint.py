@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.fp8 import recipe as fp8_lib
+from jmp_lite._src.diagnostics import mixed_dtypes
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
 from jmp_lite._src.step import trace as step_trace
@@ -431,7 +432,9 @@ def precision_lint(
   policy = step_trace.as_policy(policy)
   step = step_trace.as_step(fn, policy, autocast=autocast, fp8=fp8, cast_batch=cast_batch,
                             batch_keep_full=batch_keep_full)
-  traced = step_trace.trace(step, args, model_state)
+  traced = mixed_dtypes.trace_or_explain(step, args, model_state)
+  if isinstance(traced, mixed_dtypes.Mixed):  # It does not trace: say why.
+    return LintFindings([LintFinding(*traced)])
   jaxpr = traced.jaxpr
   roots = jaxpr_utils.library_roots()
   findings = LintFindings()
