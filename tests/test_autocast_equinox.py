@@ -31,6 +31,30 @@ def test_a_jaxpr_that_returns_a_literal_is_autocast(maybe_jit):
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((2, 2), 2.0))
 
 
+def test_a_filter_custom_vjp_is_differentiated_in_its_perturbed_inputs_only(maybe_jit):
+  # diffrax's loops are eqx.filter_custom_vjp functions: their rule refuses a tangent on
+  # the arguments after the first, and autocast's rebuilt rule differentiated them all.
+  @eqx.filter_custom_vjp
+  def layer(x, w):
+    return jnp.tanh(x @ w)
+
+  @layer.def_fwd
+  def layer_fwd(perturbed, x, w):
+    y = jnp.tanh(x @ w)
+    return y, y
+
+  @layer.def_bwd
+  def layer_bwd(y, g, perturbed, x, w):
+    return (g * (1 - y * y)) @ w.T
+
+  x = jax.random.normal(jax.random.key(0), (4, 8))
+  w = jax.random.normal(jax.random.key(1), (8, 8)) * 0.3
+  loss = lambda x, w: jnp.sum(layer(x, w).astype(F32) ** 2)
+  got = maybe_jit(jax.grad(jmp.autocast(loss, F16)))(x.astype(F16), w.astype(F16))
+  assert got.dtype == F16
+  np.testing.assert_allclose(np.asarray(got, np.float32), jax.grad(loss)(x, w), rtol=2e-2, atol=2e-2)
+
+
 # --- diffrax ------------------------------------------------------------------------------
 
 
