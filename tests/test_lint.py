@@ -359,3 +359,67 @@ def test_only_the_autocast_function_itself_is_recognised():
   assert jmp.precision_report(grad, params, x, policy=F16).count("matmul") == 5
   with pytest.raises(ValueError, match="fp8=None; got fp8=True"):
     jmp.precision_lint(wrapped, params, x, policy=F16, fp8=True)
+
+
+def test_the_cause_behind_most_float32_matmuls_is_named_first():
+  # Issue 37 item 5: a model whose config pins dtype=float32 ran all its matmuls in
+  # float32, but the lint named a float32 table made inside the function (RoPE's)
+  # first, and the pinned dtype only second.
+  dtype = jnp.float32  # a config's dtype field
+
+  def loss_fn(params, x):
+    table = jnp.sin(jnp.arange(8.0))  # made in float32
+    first = jnp.sum((x * table) @ params["w"][0])  # float32 for the table only
+    h = x.astype(dtype)
+    for w in params["w"]:
+      h = jnp.tanh(h @ w.astype(dtype))  # pinned
+    return first + jnp.sum((h * table) @ params["w"][0].astype(dtype))  # pinned, and the table
+
+  params = {"w": jnp.ones((3, 8, 8))}
+  found = jmp.precision_lint(loss_fn, params, jnp.ones((2, 8)), policy=F16)
+  made = "a float32 value made inside the function"
+  named = [f.reason.split(": ")[1].split(" (")[0] for f in found]
+  assert named == [made, PINS, PINS, PINS, PINS]  # In program order.
+  assert "; also " + made in found[-1].reason  # The pinned dtype explains 4 of 5: named first.
+  assert "set the layer's dtype to float16" in found[-1].reason
+  lines = str(found).splitlines()  # Printed, the line that explains the most comes first.
+  assert len(lines) == 3 and "dot_general (3 times)" in lines[0]
+  assert [f"float16: {PINS}" in l for l in lines] == [True, False, True]  # Ties: in order.
+  assert f"float16: {made}" in lines[1]
+
+
+def test_a_float32_value_meeting_a_half_conv_is_a_finding_not_a_crash():
+  # Issue 37 item 3: float32 noise drawn inside the loss met the float16 weights of
+  # an Equinox Conv2d ("lax.conv_general_dilated requires arguments to have the same
+  # dtypes"), and precision_lint and precision_report crashed with that error.
+  import inspect
+  import equinox as eqx
+
+  conv = eqx.nn.Conv2d(8, 8, 3, padding=1, key=jax.random.key(0))
+
+  def loss_fn(model, batch, cast=False):
+    dtype = batch["x"].dtype if cast else None
+    noise = jax.random.normal(batch["key"], batch["x"].shape, dtype)  # float32: no dtype given
+    return jnp.mean(jax.vmap(model)(batch["x"] + noise).astype(jnp.float32) ** 2)
+
+  lines, first = inspect.getsourcelines(loss_fn)
+  noise_line = first + next(i for i, l in enumerate(lines) if "float32: no dtype" in l)
+  batch = {"x": jnp.ones((2, 8, 8, 8)), "key": jax.random.key(1)}
+  with pytest.raises(TypeError, match="same dtypes"):  # What the user's step runs into.
+    jax.eval_shape(loss_fn, F16.cast_to_compute(conv), F16.cast_to_compute(batch))
+  [found] = jmp.precision_lint(loss_fn, conv, batch, policy=F16)
+  assert found.op == "conv_general_dilated"
+  assert found.source.endswith(f":{noise_line} (test_a_float32_value_meeting_a_half_conv_is_a_"
+                               "finding_not_a_crash.<locals>.loss_fn)")  # The noise's line.
+  assert found.reason.startswith("mixes float32 and float16 operands, so the function does not "
+                                 "trace under the policy (lax.conv_general_dilated requires")
+  assert "a random draw made in float32 inside the function" in found.reason
+  assert f":{noise_line + 1} (" in found.reason  # where it meets the conv's weights
+  assert "Cast it to float16" in found.reason and "autocast=True" in found.reason
+  with pytest.raises(TypeError, match=r"random draw made in float32 .* autocast=True"):
+    jmp.precision_report(loss_fn, conv, batch, policy=F16)
+  # The fixes it names work: autocast, or the noise drawn in the batch's dtype.
+  assert jmp.precision_lint(loss_fn, conv, batch, policy=F16, autocast=True) == []
+  report = jmp.precision_report(loss_fn, conv, batch, policy=F16, autocast=True)
+  assert report.count("conv", jnp.float16) == 1
+  assert jmp.precision_lint(lambda m, b: loss_fn(m, b, cast=True), conv, batch, policy=F16) == []

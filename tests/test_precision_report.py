@@ -75,6 +75,9 @@ def test_counts_and_table_of_a_small_function():
   assert report.counts["matmul"] == {"float16": 1, "float32": 1}
   assert report.count("exp/log") == report.count("exp/log", F32) == 2  # exp and log
   assert report.count("conv") == 0
+  # Issue 37 item 4: every kind is a key, as every kind is a row of the table.
+  assert list(report.counts) == ["matmul", "conv", "exp/log", "reduction", "norm stats", "other"]
+  assert report.counts["conv"] == {} and report.counts["norm stats"] == {}
   lines = str(report).splitlines()
   assert lines[0].split() == ["kind", "float16", "float32", "total"]
   assert lines[1].split() == ["matmul", "1", "1", "2"]

@@ -94,6 +94,33 @@ def test_a_donated_state_is_refused_before_dispatch(capfd):
   assert int(step(new, {"x": jnp.ones(2)})[0].step) == 2
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_an_error_raised_while_the_step_runs_surfaces_unchanged(donate):
+  # Issue 37 item 2: eqx.error_if (diffrax's "maximum number of solver steps")
+  # failed a fresh state's first call with "state.step was deleted": the
+  # donating call had consumed the state while running, and that was taken
+  # for a state consumed before the call.
+  import equinox as eqx
+
+  def loss_fn(params, batch):
+    loss = jnp.sum(params["w"] * batch["x"])
+    return eqx.error_if(loss, loss > 100.0, "the loss ran away")
+
+  state, _, _ = _problem()
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("f32"), donate=donate)
+  for first in (True, False):  # The first call, and a later one.
+    # JAX raises it as a RuntimeError or (on a later, synchronous call) a ValueError.
+    with pytest.raises((RuntimeError, ValueError), match="the loss ran away") as info:
+      jax.block_until_ready(step(state, {"x": jnp.array([1e3, 1e3])}))  # Dispatch is async.
+    assert "deleted" not in str(info.value) and info.value.__cause__ is None
+    if first:
+      state, _ = step(jmp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.5)),
+                      {"x": jnp.ones(2)})
+  if donate:  # Now the state was really consumed, and is named so.
+    with pytest.raises(ValueError, match=r"^state.step was deleted: a donating step"):
+      step(state, {"x": jnp.ones(2)})
+
+
 def test_flaxs_train_state_is_named_next_to_jmp_lites():
   from flax.training import train_state
 

@@ -170,7 +170,8 @@ def last_uses(jaxpr: Any) -> list[list[Any]]:
       if isinstance(v, jex_core.Var):
         last[v] = i
   for v in jaxpr.outvars:
-    last.pop(v, None)
+    if isinstance(v, jex_core.Var):  # An output may be a Literal (unhashable).
+      last.pop(v, None)
   drops: list[list[Any]] = [[] for _ in jaxpr.eqns]
   for v, i in last.items():
     drops[i].append(v)

@@ -207,8 +207,12 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   traced: its forward jaxpr (outputs and residuals, taken at the traced dtypes)
   and its backward jaxpr (the pullback, from the residuals) are evaluated with
   autocast, so residuals stay in the dtypes autocast computed them in and the
-  user's backward rule runs.
+  user's backward rule runs. A rule defined with ``symbolic_zeros`` (Equinox's
+  ``filter_custom_vjp``: diffrax's adjoints, its checkpointed loops) is
+  rebuilt with it, and only its perturbed inputs are differentiated: it
+  refuses a tangent on the inputs it declares non-differentiable.
   """
+  symbolic = bool(eqn.params.get("symbolic_zeros", False))
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
   in_dtypes = [interp.value_dtype(x) for x in ins]
   pullback: dict[str, Any] = {}
@@ -217,8 +221,9 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def forward_as_traced(*xs: Any) -> list[Any]:
-    f = lambda *fx: interp.bind_original(eqn, _with(xs, fi, fx))
-    _, vjp_fn = jax.vjp(f, *[xs[i] for i in fi])
+    di = pullback["diff"]
+    f = lambda *fx: interp.bind_original(eqn, _with(xs, di, fx))
+    _, vjp_fn = jax.vjp(f, *[xs[i] for i in di])
     residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
     return residuals
 
@@ -227,21 +232,32 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     zeros = [np.zeros(v.aval.shape, jax.dtypes.float0) for v in eqn.outvars]
     return jax.tree.unflatten(pullback["tree"], residuals)(_with(zeros, fo, cts))
 
-  def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
+  def fwd(*primals: Any) -> tuple[list[Any], list[Any]]:
+    xs = [p.value for p in primals] if symbolic else list(primals)
+    pullback["diff"] = [i for i in fi if primals[i].perturbed] if symbolic else fi
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
     pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
     return primal(*xs), interp.eval_closed(closed, xs, cfg)
 
   def bwd(residuals: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
+    di = pullback["diff"]
     closed = jax.make_jaxpr(backward_as_traced)(
         *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
-    grads = interp.eval_closed(closed, [*residuals, *(cts[j] for j in fo)], cfg)
+    grads = interp.eval_closed(closed, [*residuals, *(_materialized(cts[j]) for j in fo)], cfg)
     out: list[Any] = [None] * len(ins)
-    return tuple(_with(out, fi, interp.cast_all(grads, [in_dtypes[i] for i in fi])))
+    return tuple(_with(out, di, interp.cast_all(grads, [in_dtypes[i] for i in di])))
 
   f = jax.custom_vjp(primal)
-  f.defvjp(fwd, bwd)
+  f.defvjp(fwd, bwd, symbolic_zeros=symbolic)
   return list(f(*ins))
+
+
+def _materialized(ct: Any) -> Any:
+  """A cotangent as an array: a ``SymbolicZero`` (an output nothing reads) as zeros."""
+  if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+    aval: Any = ct.aval
+    return jax.numpy.zeros(aval.shape, aval.dtype)
+  return ct
 
 
 def _shard_map(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.fp8 import recipe as fp8_lib
+from jmp_lite._src.diagnostics import mixed_dtypes
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
 from jmp_lite._src.step import trace as step_trace
@@ -63,7 +65,11 @@ class LintFindings(list[LintFinding]):
   """
 
   def summary(self, max_sources: int = 3) -> str:
-    """One line per distinct ``(op, reason)``, in order of first appearance.
+    """One line per distinct ``(op, reason)``: float32 matmuls first, then in order of first appearance.
+
+    The lines of matmuls and convolutions that run in float32 under a half
+    policy come first, the one that explains the most of them first: a
+    single cause often explains them all.
 
     A finding seen once prints as ``str(finding)``; one seen ``n`` times as
     ``"src1, src2, src3 and k more places: op (n times): reason"``, with the
@@ -91,8 +97,9 @@ class LintFindings(list[LintFinding]):
     groups: dict[tuple[str, str], list[LintFinding]] = {}
     for f in self:
       groups.setdefault((f.op, f.reason), []).append(f)
+    order = sorted(groups.items(), key=lambda g: -len(g[1]) if g[0][1].startswith(_PINNED) else 0)
     lines = []
-    for (op, reason), members in groups.items():
+    for (op, reason), members in order:
       if len(members) == 1:
         lines.append(str(members[0]))
         continue
@@ -176,17 +183,42 @@ _FIXES = {
 }
 
 
+_PINNED = "runs in float32"
+# A float32 matmul's finding until its causes are ranked: this prefix, then its causes.
+_PENDING = "\0pinned:"
+
+
 def _pinned(
     eqn: Any, dtype: str, compute: np.dtype, origins: provenance.Origins
 ) -> Union[str, None]:
-  """Why a float32 matmul/conv under a half policy is a finding, if it is one."""
+  """A float32 matmul/conv under a half policy: its pending reason (see :func:`_rank_causes`)."""
   if compute not in _HALF or dtype != "float32":
     return None
   causes = provenance.ordered(origins.cause(eqn.invars[:2])) or ["upcast"]
-  also = "".join(f"; also {_CAUSES[c]}" for c in causes[1:])
-  return (f"runs in float32 although the policy computes in {compute.name}: "
-          f"{_CAUSES[causes[0]]}{also}; build the step with autocast=True, or "
-          + _FIXES[causes[0]].format(compute=compute.name))
+  if {"carry", "random"} & set(causes):  # Made inside the function, said more precisely.
+    causes = [c for c in causes if c != "made"]
+  return _PENDING + ",".join(causes)
+
+
+def _rank_causes(findings: LintFindings, compute: np.dtype) -> LintFindings:
+  """Writes each float32 matmul's reason, naming first the cause that explains the most.
+
+  A cause's weight is the number of float32 matmuls and convolutions of the
+  whole function it explains (ties in :data:`provenance.ORDER`), so that the
+  cause behind most of them (a model whose config pins ``dtype=float32``)
+  is named first, and alone the fix.
+  """
+  pending = {i: f.reason[len(_PENDING):].split(",") for i, f in enumerate(findings)
+             if f.reason.startswith(_PENDING)}
+  weight = collections.Counter(c for causes in pending.values() for c in causes)
+  for i, causes in pending.items():
+    causes = sorted(causes, key=lambda c: (-weight[c], provenance.ORDER.index(c)))
+    also = "".join(f"; also {_CAUSES[c]}" for c in causes[1:])
+    findings[i] = findings[i]._replace(reason=(
+        f"{_PINNED} although the policy computes in {compute.name}: "
+        f"{_CAUSES[causes[0]]}{also}; build the step with autocast=True, or "
+        + _FIXES[causes[0]].format(compute=compute.name)))
+  return findings
 
 
 def _lint_jaxpr(
@@ -243,7 +275,7 @@ def _eqn_findings(
     dtype = precision_report.matmul_dtype(eqn, producers)
     reasons = (_pinned(eqn, dtype, ctx.compute, origins), _alignment(eqn, dtype))
     return [(name, r) for r in reasons
-            if r and (dtype != "float32" or r.startswith("runs"))]
+            if r and (dtype != "float32" or r.startswith(_PENDING))]
   return []
 
 
@@ -331,9 +363,9 @@ def precision_lint(
   float32 value made inside the function, a float32 model-state leaf (NNX
   BatchNorm's statistics), a param or batch leaf kept in float32, or a layer
   that pins its dtype (``dtype=jnp.float32``, or ``dtype=None`` after an
-  ``x.astype(None)``, which is float32). Each message says the fix;
-  ``autocast=True`` fixes them all. :func:`precision_report` counts what runs
-  in which dtype.
+  ``x.astype(None)``, which is float32). Each message names first the cause
+  that explains the most float32 matmuls of the function, and its fix, and
+  printed findings list those matmuls first; ``autocast=True`` fixes them all.
 
   With ``autocast=True`` the function is linted as
   ``make_train_step(..., autocast=True, fp8=fp8)`` runs it: wrapped in
@@ -400,7 +432,9 @@ def precision_lint(
   policy = step_trace.as_policy(policy)
   step = step_trace.as_step(fn, policy, autocast=autocast, fp8=fp8, cast_batch=cast_batch,
                             batch_keep_full=batch_keep_full)
-  traced = step_trace.trace(step, args, model_state)
+  traced = mixed_dtypes.trace_or_explain(step, args, model_state)
+  if isinstance(traced, mixed_dtypes.Mixed):  # It does not trace: say why.
+    return LintFindings([LintFinding(*traced)])
   jaxpr = traced.jaxpr
   roots = jaxpr_utils.library_roots()
   findings = LintFindings()
@@ -412,4 +446,4 @@ def precision_lint(
     findings.append(LintFinding(
         "loss", "the loss is float16: cast it to float32 before reducing or scaling it",
         jaxpr_utils.source_of(producer, roots)))
-  return findings
+  return _rank_causes(findings, ctx.compute)

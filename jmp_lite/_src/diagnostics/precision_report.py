@@ -15,6 +15,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from jmp_lite._src.diagnostics import mixed_dtypes
 from jmp_lite._src.fp8 import recipe as fp8_lib
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
@@ -57,7 +58,10 @@ class PrecisionReport(NamedTuple):
       an ``rsqrt``/``sqrt``: means and variances of a normalisation) and
       ``"other"`` (every other floating computation). A matmul on
       quantise-dequantised float8 operands is counted under its float8
-      format(s), e.g. ``"float8_e4m3fn"``.
+      format(s), e.g. ``"float8_e4m3fn"``. Every kind is a key, in that
+      order; a kind with no operations maps to ``{}`` (``counts["conv"]`` of a
+      model without convolutions). ``count(kind, dtype)`` reads one number,
+      0 where none ran.
   """
 
   counts: Mapping[str, Mapping[str, int]]
@@ -218,7 +222,10 @@ def precision_report(
     TypeError: if ``fn`` is not callable, ``policy`` is not a policy, a flag
       is not a bool, or ``fp8`` is not ``None``, a bool or a
       :class:`Float8Recipe`; with ``backward``, as the step raises for a
-      ``loss_fn`` that does not return a float scalar loss.
+      ``loss_fn`` that does not return a float scalar loss; if ``fn`` does
+      not trace under the policy because a float32 value made inside it
+      meets a half matmul or convolution (the message names that value, its
+      line and the fixes, as :func:`precision_lint`'s finding does).
     ValueError: if ``autocast`` or ``batch_keep_full`` is set without a
       policy, ``autocast`` with a compute dtype that is not half, ``fp8``
       without ``autocast``, or ``autocast`` on a ``jax.grad`` function.
@@ -243,7 +250,7 @@ def precision_report(
   """
   step = step_trace.as_step(fn, policy, autocast=autocast, fp8=fp8, cast_batch=cast_batch,
                             batch_keep_full=batch_keep_full, backward=backward, has_aux=has_aux)
-  jaxpr = jaxpr_utils.without_dead_code(step_trace.trace(step, args, model_state).jaxpr)
+  jaxpr = jaxpr_utils.without_dead_code(mixed_dtypes.trace_or_raise(step, args, model_state).jaxpr)
   counts: dict[str, dict[str, int]] = {}
   count_ops(jaxpr, counts)
-  return PrecisionReport({k: counts[k] for k in KINDS if k in counts})
+  return PrecisionReport({k: counts.get(k, {}) for k in KINDS})

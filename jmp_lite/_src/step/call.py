@@ -79,6 +79,12 @@ def _donation_problem(state: TrainState, batch: Any) -> str | None:
   return None
 
 
+def _consumed_by_the_call(state: TrainState) -> bool:
+  """Whether ``state.step``, alive before a failed donating call, was consumed by it."""
+  step = state.step
+  return isinstance(step, jax.Array) and not checks.is_traced(step) and step.is_deleted()
+
+
 def _not_a_state_message(state: Any) -> str:
   """Why ``state`` is refused, naming both classes when it is another library's TrainState."""
   name = checks.type_name(state)
@@ -292,11 +298,18 @@ class TrainStep:
       raise
 
   def _explain(self, state: TrainState, batch: Any, error: Exception) -> None:
-    """Raises a ValueError naming a changed signature or a donation problem behind ``error``."""
+    """Raises a ValueError naming a changed signature or a donation problem behind ``error``.
+
+    A call reaches here with ``state.step`` alive (:meth:`__call__` refuses a
+    consumed state first). If it is deleted now, this very call donated the
+    state and ran: ``error`` was raised while the step ran (``eqx.error_if``,
+    ``checkify``, diffrax's maximum number of steps), and it is re-raised
+    unchanged, not explained as a donation problem.
+    """
     problem = None
     if self._signature is not None:
       problem = _signature_problem(self._signature, _signature(state, batch), batch)
-    if problem is None and self._donate:
+    if problem is None and self._donate and not _consumed_by_the_call(state):
       problem = _donation_problem(state, batch)
     if problem is not None:
       raise ValueError(problem) from error
