@@ -9,6 +9,7 @@ do not match its declared ``master_dtype`` and ``rounding``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import jax
@@ -298,6 +299,7 @@ class TrainState:
     children = tuple(hollow[f][0] if f in hollow else getattr(self, f) for f in _CHILDREN)
     specs = tuple(hollow[f][1] for f in _HOLLOWED)
     self.__dict__["_tree"] = (children, (specs, tuple(getattr(self, f) for f in _META)))
+    self.__dict__["_seen"] = _seen(self.__dict__, specs)
 
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
@@ -322,7 +324,36 @@ def _flatten(state: TrainState) -> tuple[tuple[Any, ...], Any]:
   the state is built, so flattening it (every call of a jitted step) is one
   attribute read.
   """
-  return state.__dict__["_tree"]
+  values = state.__dict__
+  seen = values["_seen"]
+  if seen is not None and _edited(values, seen):
+    state.__post_init__()  # An in-place edit (state.params["w"] = new): hollow again.
+  return values["_tree"]
+
+
+def _seen(values: dict[str, Any], specs: tuple[Any, ...]) -> Any:
+  """What the hollowed fields with a static leaf held when their holes were made.
+
+  Their children are copies (the static leaves replaced by holes), so an
+  in-place edit of ``state.params`` (``state.params["w"] = new``) would not
+  reach them: :func:`_flatten` compares the fields with this record (one C++
+  flatten and an identity test per leaf, no Python per leaf) and hollows them
+  again when they changed. A field without static leaves is its own child, so
+  an edit reaches the step as it is, and needs no record.
+  """
+  if specs == _NO_SPECS:
+    return None
+  return tuple((f, *jax.tree.flatten(values[f])[::-1]) for f, spec in zip(_HOLLOWED, specs)
+               if spec is not None)
+
+
+def _edited(values: dict[str, Any], seen: Any) -> bool:
+  """Whether a field recorded by :func:`_seen` changed since (a leaf or a node replaced)."""
+  for f, treedef, leaves in seen:
+    now, now_def = jax.tree.flatten(values[f])
+    if now_def != treedef or len(now) != len(leaves) or not all(map(operator.is_, now, leaves)):
+      return True
+  return False
 
 
 def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
@@ -344,6 +375,7 @@ def _unflatten(aux: Any, children: Any) -> TrainState:
     for f, spec in zip(_HOLLOWED, specs):
       values[f] = filtering.fill(values[f], spec)
   values["_tree"] = (tuple(children), aux)
+  values["_seen"] = _seen(values, specs)
   return state
 
 
