@@ -22,6 +22,7 @@ from jax.extend import core as jex_core
 
 from jmp_lite._src.autocast import interpret as interp
 from jmp_lite._src.autocast import promote as rules
+from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 
 # Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches
@@ -56,9 +57,16 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
   cached per value), so that they count as constants there.
   """
   closed = eqn.params["jaxpr"]
+  if fp8_plan.choosing_at_run_time():
+    # fp8_sensitivity: its matmuls read the traced choice, which a jit's body cannot
+    # close over; evaluated in place (a jit only names a call), never cached.
+    written: list[Any] = []
+    return interp.eval_closed(closed, ins, cfg, metas, written), written
   consts = [_constant_key(x) for x in ins]
   metas, back = rules.canonical(metas)
-  key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas))
+  # The FP8 decisions under this call site: one helper jitted for many layers is one jaxpr.
+  key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas),
+         fp8_plan.signature())
   per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
   hit = per_jaxpr.get(key)
   if hit is None:

@@ -1,0 +1,72 @@
+"""FP8 decisions per call site (issue 36 items 1-4).
+
+A jitted helper shared by several layers is one jaxpr, so one ``dot_general``
+equation for every layer that calls it: keep rules, the nested-jit cache and
+``fp8_sensitivity`` must still decide per call site, as for the same helper
+without ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite as jmp
+from conftest import assert_bitwise_equal
+
+
+def _dense(x, w):
+  return jnp.tanh(x @ w)
+
+
+_DENSE_JIT = jax.jit(_dense)
+
+
+def _two_layers(dense):
+  # w1 and w2 share a traced equation; w1 and w3 also share the input types
+  # that key autocast's nested-jit cache.
+  def f(params, x):
+    return dense(dense(x, params["w1"]), params["w2"]) + dense(x, params["w3"])
+  return f
+
+
+def _problem():
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {w: jax.random.normal(k[i], (16, 16)) * 0.3 for i, w in enumerate(("w1", "w2", "w3"))}
+  return params, jax.random.normal(k[3], (8, 16)) * 3.0
+
+
+def test_a_jitted_helper_follows_each_call_sites_keep_rule():
+  params, x = _problem()
+  half = jmp.autocast(_two_layers(_dense), jnp.bfloat16)(params, x)
+  # One after the other: a body cached for one recipe must not serve the next.
+  for keep in [("w1",), ("w3",), ("w2",), ()]:
+    recipe = jmp.Float8Recipe(keep=keep, min_size=0)
+    plain = jmp.autocast(_two_layers(_dense), jnp.bfloat16, fp8=recipe)
+    jitted = jmp.autocast(_two_layers(_DENSE_JIT), jnp.bfloat16, fp8=recipe)
+    assert_bitwise_equal(jitted(params, x), plain(params, x))
+    assert_bitwise_equal(jax.jit(jitted)(params, x), jax.jit(plain)(params, x))
+    assert not np.array_equal(np.asarray(plain(params, x)), np.asarray(half))
+
+
+def _loss(dense):
+  def loss(params, x):
+    return jnp.mean(_two_layers(dense)(params, x) ** 2)
+  return loss
+
+
+def test_sensitivity_of_a_jitted_helper_is_the_table_without_the_jit():
+  # Issue 36 item 2: run first it failed ("No constant handler for type:
+  # DynamicJaxprTracer"); after an FP8 autocast call every row read 0.00.
+  params, x = _problem()
+  recipe = jmp.Float8Recipe(min_size=0)
+  plain = jmp.fp8_sensitivity(_loss(_dense), params, x, recipe=recipe)
+  first = jmp.fp8_sensitivity(_loss(_DENSE_JIT), params, x, recipe=recipe)
+  jmp.autocast(_loss(_DENSE_JIT), jnp.bfloat16, fp8=recipe)(params, x)  # The user's own run.
+  after = jmp.fp8_sensitivity(_loss(_DENSE_JIT), params, x, recipe=recipe)
+  table = lambda report: [(r.weight, r.output_error, r.grad_error) for r in report.rows]
+  assert table(first) == table(plain) and table(after) == table(plain)
+  assert [r.weight for r in plain.rows] and all(r.output_error > 0 and r.grad_error > 0
+                                               for r in plain.rows)
