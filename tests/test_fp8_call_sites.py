@@ -70,3 +70,57 @@ def test_sensitivity_of_a_jitted_helper_is_the_table_without_the_jit():
   assert table(first) == table(plain) and table(after) == table(plain)
   assert [r.weight for r in plain.rows] and all(r.output_error > 0 and r.grad_error > 0
                                                for r in plain.rows)
+
+
+BF16, E4M3 = "bfloat16", "float8_e4m3fn"
+
+
+def _counts(fn, *args):
+  report = jmp.precision_report(fn, *args)
+  found = {d: report.count("matmul", d) for d in (BF16, E4M3)}
+  return {d: n for d, n in found.items() if n}
+
+
+_WEIGHTS = {
+    "weight-norm": lambda p: p["w"] / jnp.linalg.norm(p["w"], axis=0, keepdims=True),
+    "pruned": lambda p: p["w"] * p["mask"],
+    "lora": lambda p: p["w"] + p["a"] @ p["b"],
+    "scaled-cast": lambda p: (2.0 * p["w"]).astype(jnp.bfloat16).T.T,
+}
+
+
+@pytest.mark.parametrize("name", list(_WEIGHTS))
+def test_a_keep_rule_follows_element_wise_ops_on_its_leaf(name):
+  # Issue 36 item 4: w / norm(w), w * mask and w + a @ b were not kept.
+  k = jax.random.split(jax.random.key(1), 5)
+  params = {"w": jax.random.normal(k[0], (16, 16)), "head": jax.random.normal(k[1], (16, 4)),
+            "mask": (jax.random.uniform(k[2], (16, 16)) > 0.5).astype(jnp.float32),
+            "a": jax.random.normal(k[3], (16, 2)), "b": jax.random.normal(k[4], (2, 16))}
+  x = jax.random.normal(jax.random.key(2), (8, 16))
+
+  def f(params, x):
+    h = jnp.tanh(x @ _WEIGHTS[name](params))
+    return (h + params["w"][0]) @ params["head"]  # A bias from w: not w itself.
+
+  keep = jmp.autocast(f, jnp.bfloat16, fp8=jmp.Float8Recipe(keep=("0/w$",), min_size=0))
+  lora = 1 if name == "lora" else 0
+  assert _counts(keep, params, x) == {BF16: 1, E4M3: 1 + lora}
+  every = jmp.autocast(f, jnp.bfloat16, fp8=jmp.Float8Recipe(min_size=0))
+  assert _counts(every, params, x) == {E4M3: 2 + lora}
+
+
+def test_a_broadcast_bias_or_scale_does_not_keep_the_next_layer():
+  # Element-wise ops follow a weight, not a bias or norm scale spread over the activations.
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"w1": jax.random.normal(k[0], (16, 16)), "w2": jax.random.normal(k[1], (16, 4)),
+            "bias": jnp.ones(16), "scale": jnp.full((16,), 2.0)}
+  x = jax.random.normal(k[2], (8, 16))
+
+  def f(params, x):
+    h = (x @ params["w1"] + params["bias"]) * params["scale"]
+    return h @ params["w2"]
+
+  recipe = jmp.Float8Recipe(keep=("0/bias$", "0/scale$"), min_size=0)
+  with pytest.warns(UserWarning, match="keeps no matmul|no matmul"):
+    assert _counts(jmp.autocast(f, jnp.bfloat16, fp8=recipe), params, x) == {E4M3: 2}
+

@@ -27,7 +27,7 @@ import contextvars
 import dataclasses
 import math
 import warnings
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence, Union
 
 from jax.extend import core as jex_core
 
@@ -41,6 +41,12 @@ _PASS = frozenset({
     "expand_dims", "copy", "copy_p", "reduce_precision", "sharding_constraint", "reshard",
     "device_put", "pvary", "optimization_barrier",
 })
+# Element-wise ops through which a keep rule follows a weight (w / norm(w), w * mask,
+# w + a @ b), from an operand of the output's own shape that no broadcast made.
+_ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "select_n",
+    "clamp", "integer_pow", "square", "sqrt", "rsqrt", "pow",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +59,36 @@ class Matmul:
     sources: for the lhs and the rhs, the paths of the argument leaves it
       comes from (empty where it comes from none).
     shape: ``(lhs free size, contracting size, rhs free size, batch size)``.
+    reads: every argument path an operand comes from, element-wise ops on
+      it included (``w`` for ``x @ (w / norm(w))``, ``x @ (w * mask)``,
+      ``x @ (w + a @ b)``): what keep rules test.
   """
 
   index: int
   name: str
   sources: tuple[tuple[str, ...], tuple[str, ...]]
   shape: tuple[int, int, int, int]
+  reads: tuple[str, ...] = ()
 
   @property
   def paths(self) -> tuple[str, ...]:
     """Every argument path the operands come from, lhs first."""
     return tuple(dict.fromkeys(self.sources[0] + self.sources[1]))
+
+
+class _Src(NamedTuple):
+  """Where a value comes from: through pass ops (``paths``), also element-wise ones (``reads``).
+
+  ``whole`` is false for a broadcast value (a bias, a norm's scale spread
+  over the activations), which element-wise ops do not follow.
+  """
+
+  paths: tuple[str, ...] = ()
+  reads: tuple[str, ...] = ()
+  whole: bool = True
+
+
+_NONE = _Src()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +142,7 @@ def _name(eqn: Any) -> str:
   return "/".join(parts)
 
 
-def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[_Src]) -> list[_Src]:
   """The sources of sub-jaxpr ``k``'s inputs, from the equation's operands."""
   n = len(sub.invars)
   if eqn.primitive.name == "while":
@@ -128,29 +153,41 @@ def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[tuple[str, ...]]) -> list
     return srcs
   if len(srcs) == n + 1:  # cond: the branch index first
     return srcs[1:]
-  return [()] * n
+  return [_NONE] * n
 
 
 Found = list[tuple[tuple[int, ...], Any, Matmul]]  # (site, eqn, matmul)
 
 
-def _walk(jaxpr: Any, sources: list[tuple[str, ...]], found: Found,
-          site: tuple[int, ...] = ()) -> list[tuple[str, ...]]:
-  """Adds the matmuls of ``jaxpr`` (nested at ``site``) to ``found``; the sources of its outputs."""
-  env: dict[Any, tuple[str, ...]] = dict(zip(jaxpr.invars, sources))
+def _elementwise(eqn: Any, ins: list[_Src]) -> _Src:
+  """An element-wise op's output reads what its whole operands of its own shape read."""
+  shape = eqn.outvars[0].aval.shape
+  reads = [p for v, x in zip(eqn.invars, ins)
+           if x.whole and getattr(v.aval, "shape", None) == shape for p in x.reads]
+  return _Src((), tuple(dict.fromkeys(reads)))
 
-  def src(v: Any) -> tuple[str, ...]:
-    return () if isinstance(v, jex_core.Literal) else env.get(v, ())
+
+def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] = ()) -> list[_Src]:
+  """Adds the matmuls of ``jaxpr`` (nested at ``site``) to ``found``; the sources of its outputs."""
+  env: dict[Any, _Src] = dict(zip(jaxpr.invars, sources))
+
+  def src(v: Any) -> _Src:
+    return _NONE if isinstance(v, jex_core.Literal) else env.get(v, _NONE)
 
   for eqn in jaxpr.eqns:
     ins = [src(v) for v in eqn.invars]
     name = eqn.primitive.name
-    outs: list[tuple[str, ...]] = [()] * len(eqn.outvars)
+    outs: list[_Src] = [_NONE] * len(eqn.outvars)
     if name == "dot_general":
-      found.append((site + (id(eqn),), eqn,
-                    Matmul(len(found), _name(eqn), (ins[0], ins[1]), _dims(eqn))))
+      reads = tuple(dict.fromkeys(ins[0].reads + ins[1].reads))
+      found.append((site + (id(eqn),), eqn, Matmul(
+          len(found), _name(eqn), (ins[0].paths, ins[1].paths), _dims(eqn), reads)))
     elif name in _PASS and eqn.invars:
-      outs = [ins[0]] * len(eqn.outvars)
+      spread = name == "broadcast_in_dim" and (
+          math.prod(eqn.outvars[0].aval.shape) != math.prod(eqn.invars[0].aval.shape))
+      outs = [ins[0]._replace(whole=False) if spread else ins[0]] * len(eqn.outvars)
+    elif name in _ELEMENTWISE and len(eqn.outvars) == 1:
+      outs = [_elementwise(eqn, ins)]
     subs = list(jaxpr_utils.subjaxprs(eqn))
     for k, sub in enumerate(subs):
       sub_outs = _walk(sub, _sub_inputs(eqn, sub, k, ins), found, site + (id(eqn),))
@@ -184,7 +221,7 @@ def matmuls(jaxpr: Any, paths: Sequence[Union[str, None]]) -> list[tuple[Any, Ma
 
 def _found(jaxpr: Any, paths: Sequence[Union[str, None]]) -> Found:
   found: Found = []
-  _walk(jaxpr, [() if p is None else (p,) for p in paths], found)
+  _walk(jaxpr, [_NONE if p is None else _Src((p,), (p,)) for p in paths], found)
   return found
 
 
@@ -204,10 +241,10 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
   keep = tuple(recipe.keep)  # type: ignore[arg-type]  # Normalised to a tuple by the recipe.
   if keep:
     leaf_of = {p: x for p, x in zip(paths, leaves) if p is not None}
-    read = list({p: leaf_of[p] for _, m in found for p in m.paths if p in leaf_of}.items())
+    read = list({p: leaf_of[p] for _, m in found for p in m.reads if p in leaf_of}.items())
     rules = [policy_lib.compile_rule(r) for r in keep]
     for eqn, m in found:
-      if any(rule(p, leaf_of[p]) for rule in rules for p in m.paths if p in leaf_of):
+      if any(rule(p, leaf_of[p]) for rule in rules for p in m.reads if p in leaf_of):
         kept.add(m.index)
     policy_lib.warn_unmatched(keep, read, "the Float8Recipe",
                               "argument leaf that a matmul reads", "no matmul in half",
