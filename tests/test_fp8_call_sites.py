@@ -124,3 +124,56 @@ def test_a_broadcast_bias_or_scale_does_not_keep_the_next_layer():
   with pytest.warns(UserWarning, match="keeps no matmul|no matmul"):
     assert _counts(jmp.autocast(f, jnp.bfloat16, fp8=recipe), params, x) == {E4M3: 2}
 
+
+@jax.custom_jvp
+def _jvp_dense(x, w):
+  return jnp.tanh(x @ w)
+
+
+@_jvp_dense.defjvp
+def _jvp_dense_rule(primals, tangents):
+  (x, w), (tx, tw) = primals, tangents
+  y = jnp.tanh(x @ w)
+  return y, (1.0 - y * y) * (tx @ w + x @ tw)
+
+
+@jax.custom_vjp
+def _vjp_dense(x, w):
+  return jnp.tanh(x @ w)
+
+
+def _vjp_dense_fwd(x, w):
+  y = jnp.tanh(x @ w)
+  return y, (x, w, y)
+
+
+def _vjp_dense_bwd(res, g):
+  x, w, y = res
+  g = g * (1.0 - y * y)
+  return g @ w.T, x.T @ g
+
+
+_vjp_dense.defvjp(_vjp_dense_fwd, _vjp_dense_bwd)
+
+
+@pytest.mark.parametrize("dense", [_jvp_dense, _vjp_dense], ids=["custom_jvp", "custom_vjp"])
+def test_custom_derivatives_follow_the_plan(dense):
+  # Issue 36 item 3: grad through a custom_jvp raised NotImplementedError (the
+  # transpose of custom_vjp_call); a kept custom_vjp layer ran its backward in FP8.
+  params, x = _problem()
+  x = x / 3.0  # Unsaturated tanh: FP8's error is not amplified by a steep 1 - y**2.
+  loss = lambda p, x: jnp.mean(dense(x, p["w1"]) ** 2)
+  grad = lambda recipe: jax.jit(jax.grad(jmp.autocast(loss, jnp.bfloat16, fp8=recipe)))
+  half = jax.jit(jax.grad(jmp.autocast(loss, jnp.bfloat16)))(params, x)
+  # Kept: forward, tangent and backward matmuls all in half, as without FP8.
+  keep = jmp.Float8Recipe(keep=("w1",), min_size=0)
+  assert_bitwise_equal(grad(keep)(params, x)["w1"], half["w1"])
+  # JAX runs the derivative rules of a jitted function later, outside autocast's evaluation.
+  later = jax.grad(jax.jit(jmp.autocast(loss, jnp.bfloat16, fp8=keep)))(params, x)
+  half_later = jax.grad(jax.jit(jmp.autocast(loss, jnp.bfloat16)))(params, x)
+  assert_bitwise_equal(later["w1"], half_later["w1"])
+  fp8 = grad(jmp.Float8Recipe(min_size=0))(params, x)["w1"]
+  assert np.isfinite(np.asarray(fp8, np.float32)).all()
+  assert not np.array_equal(np.asarray(fp8), np.asarray(half["w1"]))
+  error = np.linalg.norm(np.asarray(fp8, np.float32) - np.asarray(half["w1"], np.float32))
+  assert error / np.linalg.norm(np.asarray(half["w1"], np.float32)) < 0.1, error

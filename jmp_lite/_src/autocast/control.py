@@ -183,11 +183,18 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   The rule is the original one, reached through ``jax.jvp`` of the equation
   applied as traced; its jaxpr (taken at the traced dtypes) is evaluated with
   autocast on the actual primals and tangents, and the tangents are cast to
-  the primal outputs' dtypes.
+  the primal outputs' dtypes. JAX may run the rule later (``jax.grad`` of a
+  jitted autocast function), so both run under the FP8 plan and call site
+  of this equation. The rule's matmuls run in the half dtype, never FP8:
+  ``jax.grad`` transposes them, and an FP8 matmul (a ``custom_vjp`` with
+  current scaling) cannot be transposed; the primal's follow the plan.
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
+  plan, site, unplanned = fp8_plan.current()
+
   def primal(*xs: Any) -> list[Any]:
-    return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+    with fp8_plan.active(plan, site, unplanned):
+      return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def tangents_as_traced(*flat: Any) -> Any:
     xs, ts = flat[:len(ins)], flat[len(ins):]
@@ -198,7 +205,8 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     out = primal(*xs)
     closed = jax.make_jaxpr(tangents_as_traced)(
         *_declared(eqn.invars), *_declared([eqn.invars[i] for i in fi]))
-    t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
+    with fp8_plan.active(plan, site, unplanned=False):
+      t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
     t_out = [np.zeros(np.shape(o), jax.dtypes.float0) for o in out]
     t_out = _with(t_out, fo, interp.cast_all(t_float, [interp.value_dtype(out[j]) for j in fo]))
     return out, t_out
@@ -215,14 +223,20 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   traced: its forward jaxpr (outputs and residuals, taken at the traced dtypes)
   and its backward jaxpr (the pullback, from the residuals) are evaluated with
   autocast, so residuals stay in the dtypes autocast computed them in and the
-  user's backward rule runs.
+  user's backward rule runs. JAX runs the rules when it differentiates, so
+  they run under the FP8 plan and call site of this equation; their matmuls
+  (traced anew, so not in the plan) run in the half dtype when a keep rule
+  keeps a matmul of the primal, in FP8 otherwise.
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
   in_dtypes = [interp.value_dtype(x) for x in ins]
   pullback: dict[str, Any] = {}
+  plan, site, unplanned = fp8_plan.current()
+  rules_fp8 = False if fp8_plan.keeps_any() else unplanned
 
   def primal(*xs: Any) -> list[Any]:
-    return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+    with fp8_plan.active(plan, site, unplanned):
+      return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def forward_as_traced(*xs: Any) -> list[Any]:
     f = lambda *fx: interp.bind_original(eqn, _with(xs, fi, fx))
@@ -238,12 +252,15 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
     pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
-    return primal(*xs), interp.eval_closed(closed, xs, cfg)
+    with fp8_plan.active(plan, site, rules_fp8):
+      residuals = interp.eval_closed(closed, xs, cfg)
+    return primal(*xs), residuals
 
   def bwd(residuals: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
     closed = jax.make_jaxpr(backward_as_traced)(
         *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
-    grads = interp.eval_closed(closed, [*residuals, *(cts[j] for j in fo)], cfg)
+    with fp8_plan.active(plan, site, rules_fp8):
+      grads = interp.eval_closed(closed, [*residuals, *(cts[j] for j in fo)], cfg)
     out: list[Any] = [None] * len(ins)
     return tuple(_with(out, fi, interp.cast_all(grads, [in_dtypes[i] for i in fi])))
 
