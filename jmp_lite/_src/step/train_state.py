@@ -9,7 +9,6 @@ do not match its declared ``master_dtype`` and ``rounding``.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import jax
@@ -336,24 +335,20 @@ def _seen(values: dict[str, Any], specs: tuple[Any, ...]) -> Any:
 
   Their children are copies (the static leaves replaced by holes), so an
   in-place edit of ``state.params`` (``state.params["w"] = new``) would not
-  reach them: :func:`_flatten` compares the fields with this record (one C++
-  flatten and an identity test per leaf, no Python per leaf) and hollows them
-  again when they changed. A field without static leaves is its own child, so
-  an edit reaches the step as it is, and needs no record.
+  reach them: :func:`_flatten` compares the fields with this record
+  (:func:`filtering.snapshot`) and hollows them again when they changed. A
+  field without static leaves is its own child, so an edit reaches the step
+  as it is, and needs no record.
   """
   if specs == _NO_SPECS:
     return None
-  return tuple((f, *jax.tree.flatten(values[f])[::-1]) for f, spec in zip(_HOLLOWED, specs)
-               if spec is not None)
+  seen = [(f, filtering.snapshot(values[f])) for f, spec in zip(_HOLLOWED, specs)
+          if spec is not None]
+  return tuple((f, shot) for f, shot in seen if shot is not None) or None
 
 
 def _edited(values: dict[str, Any], seen: Any) -> bool:
-  """Whether a field recorded by :func:`_seen` changed since (a leaf or a node replaced)."""
-  for f, treedef, leaves in seen:
-    now, now_def = jax.tree.flatten(values[f])
-    if now_def != treedef or len(now) != len(leaves) or not all(map(operator.is_, now, leaves)):
-      return True
-  return False
+  return any(filtering.edited(values[f], shot) for f, shot in seen)
 
 
 def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
