@@ -216,3 +216,28 @@ def test_bad_fn_policy_and_missing_model_state_are_named():
   eval_fn = jmp.make_eval_step(lambda p, s, x: x, F16, model_state=True)
   with pytest.raises(TypeError, match=r"needs the model state"):
     eval_fn({"w": jnp.ones(2)})
+
+
+@pytest.mark.parametrize("jit_outer", [False, True])
+def test_batch_options_evaluate_as_the_step_trains(jit_outer):
+  # Issue 36 item 6: float16 targets past 65504 kept float32 by batch_keep_full.
+  def loss_fn(params, batch):
+    pred = (batch["x"] @ params["w"]).astype(jnp.float32)
+    return jnp.mean((pred - batch["y"].astype(jnp.float32)) ** 2) * 1e-9
+
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 1)), jnp.float32)}
+  batch = {"x": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+           "y": jnp.asarray(1e5 + rng.standard_normal((4, 1)), jnp.float32)}
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.0))
+  step = jmp.make_train_step(loss_fn, F16, batch_keep_full=("y",), donate=False)
+  _, metrics = step(state, batch)
+  eval_fn = jmp.make_eval_step(loss_fn, F16, batch_keep_full=("y",))
+  plain = jmp.make_eval_step(loss_fn, F16)
+  raw = jmp.make_eval_step(loss_fn, F16, cast_batch=False)
+  call = jax.jit(eval_fn) if jit_outer else eval_fn
+  assert np.isfinite(host(metrics["loss"]))
+  assert_bitwise_equal(call(params, batch), metrics["loss"])
+  assert not np.isfinite(host(plain(params, batch)))  # y cast to float16 is inf.
+  _, raw_metrics = jmp.make_train_step(loss_fn, F16, cast_batch=False, donate=False)(state, batch)
+  assert_bitwise_equal(raw(params, batch), raw_metrics["loss"])

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jmp_lite as jmp
+from jmp_lite._src import filtering
 
 
 def _problem():
@@ -210,3 +211,34 @@ def test_lower_trace_and_eval_shape_check_their_arguments_as_a_call_does():
       method(state, {"x": batch["x"], "scale": 3.0})
   state, metrics = step(state, batch)  # the first call's program, unchanged
   assert float(metrics["loss"]) == (-2.0 * 3.0 - 2.0 * 4.0) * 2.0 and len(traces) == 2
+
+
+@pytest.mark.parametrize("tag", [None, "tag"], ids=["arrays-only", "static-leaf"])
+def test_an_in_place_edit_of_the_params_reaches_the_step(tag, monkeypatch):
+  # Issue 36 item 5: with a static leaf in the params, the edit showed in
+  # state.params but the step, the leaves and checkpoints kept the old arrays.
+  params = {"w": jnp.array([1.0, 2.0]), "inner": {"b": jnp.zeros(2)}}
+  if tag is not None:
+    params["inner"]["tag"] = tag
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.0))
+  step = jmp.make_train_step(lambda p, b: jnp.sum(p["w"] * b + p["inner"]["b"]),
+                             jmp.get_policy("f32"), donate=False)
+  batch = jnp.array([1.0, 1.0])
+  assert float(step(state, batch)[1]["loss"]) == 3.0
+  hollowed, original = [], filtering.hollow
+  monkeypatch.setattr(filtering, "hollow", lambda t: (hollowed.append(1), original(t))[1])
+  step(state, batch)
+  assert hollowed == []  # Unedited: flattening the state hollows nothing again.
+  state.params["w"] = jnp.array([10.0, 11.0])  # Loading pretrained weights in place.
+  state.params["inner"]["b"] = jnp.array([0.5, 0.5])
+  new, metrics = step(state, batch)
+  assert len(hollowed) == (3 if tag else 0)  # params, opt_state, model_state: once.
+  assert float(metrics["loss"]) == 22.0
+  assert new.params["w"].tolist() == [10.0, 11.0]
+  leaves = jax.tree.leaves(state)  # What checkpoints save.
+  assert any(x is state.params["w"] for x in leaves)
+  assert any(x is state.params["inner"]["b"] for x in leaves)
+  if tag is not None:
+    assert new.params["inner"]["tag"] == "tag"
+    state.params["inner"]["tag"] = "other"  # A changed static leaf: a new structure.
+    assert jax.tree.structure(state) != jax.tree.structure(new)

@@ -23,6 +23,8 @@ and ``inference``) stays a static field, as it is under ``eqx.filter_jit``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import sys
 from typing import Any, Callable
 
@@ -146,3 +148,60 @@ def fill(holes: Any, spec: Spec | None) -> Any:
   if spec is None:
     return holes
   return combine(spec[0].flatten_up_to(holes), spec)
+
+
+# What snapshot records: the tree structure and the leaves, as objects.
+Snapshot = tuple[Any, list[Any]]
+
+
+def snapshot(tree: Any) -> Snapshot | None:
+  """What :func:`edited` compares ``tree`` with; ``None`` if it cannot be edited in place.
+
+  A tree of tuples (named tuples: optax states), ``None`` and Equinox modules
+  (frozen) cannot be edited in place, so it needs no record; one with a
+  dict, a list or another container can.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.ones(2), "act": "relu"}
+    >>> shot = snapshot(params)
+    >>> edited(params, shot)
+    False
+    >>> params["w"] = jnp.zeros(2)
+    >>> edited(params, shot)
+    True
+    >>> snapshot((jnp.ones(2), "relu")) is None
+    True
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  return (treedef, leaves) if _editable(treedef) else None
+
+
+def edited(tree: Any, shot: Snapshot) -> bool:
+  """Whether ``tree`` changed since :func:`snapshot`: one C++ flatten, leaves compared by identity."""
+  treedef, leaves = shot
+  now, now_def = jax.tree.flatten(tree)
+  return now_def != treedef or len(now) != len(leaves) or not all(map(operator.is_, now, leaves))
+
+
+def _editable(treedef: Any) -> bool:
+  try:
+    return _editable_cached(treedef)
+  except TypeError:  # Unhashable node data: assume editable.
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _editable_cached(treedef: Any) -> bool:
+  node = treedef.node_data()
+  if node is None:  # A leaf.
+    return False
+  kind = node[0]
+  if not (issubclass(kind, tuple) or kind is type(None) or _is_module_type(kind)):
+    return True  # A dict, a list, any other container: editable in place.
+  return any(_editable_cached(c) for c in treedef.children())
+
+
+def _is_module_type(kind: type) -> bool:
+  module = getattr(sys.modules.get("equinox"), "Module", None)
+  return module is not None and issubclass(kind, module)

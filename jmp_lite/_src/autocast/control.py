@@ -22,6 +22,7 @@ from jax.extend import core as jex_core
 
 from jmp_lite._src.autocast import interpret as interp
 from jmp_lite._src.autocast import promote as rules
+from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 
 # Interpreted bodies of nested jits, per (jaxpr, config, input avals). JAX caches
@@ -56,9 +57,16 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
   cached per value), so that they count as constants there.
   """
   closed = eqn.params["jaxpr"]
+  if fp8_plan.choosing_at_run_time():
+    # fp8_sensitivity: its matmuls read the traced choice, which a jit's body cannot
+    # close over; evaluated in place (a jit only names a call), never cached.
+    written: list[Any] = []
+    return interp.eval_closed(closed, ins, cfg, metas, written), written
   consts = [_constant_key(x) for x in ins]
   metas, back = rules.canonical(metas)
-  key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas))
+  # The FP8 decisions under this call site: one helper jitted for many layers is one jaxpr.
+  key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas),
+         fp8_plan.signature())
   per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
   hit = per_jaxpr.get(key)
   if hit is None:
@@ -175,11 +183,18 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   The rule is the original one, reached through ``jax.jvp`` of the equation
   applied as traced; its jaxpr (taken at the traced dtypes) is evaluated with
   autocast on the actual primals and tangents, and the tangents are cast to
-  the primal outputs' dtypes.
+  the primal outputs' dtypes. JAX may run the rule later (``jax.grad`` of a
+  jitted autocast function), so both run under the FP8 plan and call site
+  of this equation. The rule's matmuls run in the half dtype, never FP8:
+  ``jax.grad`` transposes them, and an FP8 matmul (a ``custom_vjp`` with
+  current scaling) cannot be transposed; the primal's follow the plan.
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
+  plan, site, unplanned = fp8_plan.current()
+
   def primal(*xs: Any) -> list[Any]:
-    return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+    with fp8_plan.active(plan, site, unplanned):
+      return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def tangents_as_traced(*flat: Any) -> Any:
     xs, ts = flat[:len(ins)], flat[len(ins):]
@@ -190,7 +205,8 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     out = primal(*xs)
     closed = jax.make_jaxpr(tangents_as_traced)(
         *_declared(eqn.invars), *_declared([eqn.invars[i] for i in fi]))
-    t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
+    with fp8_plan.active(plan, site, unplanned=False):
+      t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
     t_out = [np.zeros(np.shape(o), jax.dtypes.float0) for o in out]
     t_out = _with(t_out, fo, interp.cast_all(t_float, [interp.value_dtype(out[j]) for j in fo]))
     return out, t_out
@@ -210,15 +226,22 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   user's backward rule runs. A rule defined with ``symbolic_zeros`` (Equinox's
   ``filter_custom_vjp``: diffrax's adjoints, its checkpointed loops) is
   rebuilt with it, and only its perturbed inputs are differentiated: it
-  refuses a tangent on the inputs it declares non-differentiable.
+  refuses a tangent on the inputs it declares non-differentiable. JAX runs
+  the rules when it differentiates, so they run under the FP8 plan and call
+  site of this equation; their matmuls (traced anew, so not in the plan) run
+  in the half dtype when a keep rule keeps a matmul of the primal, in FP8
+  otherwise.
   """
   symbolic = bool(eqn.params.get("symbolic_zeros", False))
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
   in_dtypes = [interp.value_dtype(x) for x in ins]
   pullback: dict[str, Any] = {}
+  plan, site, unplanned = fp8_plan.current()
+  rules_fp8 = False if fp8_plan.keeps_any() else unplanned
 
   def primal(*xs: Any) -> list[Any]:
-    return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
+    with fp8_plan.active(plan, site, unplanned):
+      return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def forward_as_traced(*xs: Any) -> list[Any]:
     di = pullback["diff"]
@@ -237,13 +260,16 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     pullback["diff"] = [i for i in fi if primals[i].perturbed] if symbolic else fi
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
     pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
-    return primal(*xs), interp.eval_closed(closed, xs, cfg)
+    with fp8_plan.active(plan, site, rules_fp8):
+      residuals = interp.eval_closed(closed, xs, cfg)
+    return primal(*xs), residuals
 
   def bwd(residuals: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
     di = pullback["diff"]
     closed = jax.make_jaxpr(backward_as_traced)(
         *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
-    grads = interp.eval_closed(closed, [*residuals, *(_materialized(cts[j]) for j in fo)], cfg)
+    with fp8_plan.active(plan, site, rules_fp8):
+      grads = interp.eval_closed(closed, [*residuals, *(_materialized(cts[j]) for j in fo)], cfg)
     out: list[Any] = [None] * len(ins)
     return tuple(_with(out, di, interp.cast_all(grads, [in_dtypes[i] for i in di])))
 

@@ -30,6 +30,7 @@ from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src.autocast import promote as rules
 from jmp_lite._src.autocast import regions
 from jmp_lite._src.autocast import values
+from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 # What the handlers (autocast_control) and half rules (autocast_fp8) read from here.
 from jmp_lite._src.autocast.values import ELIGIBLE as ELIGIBLE
@@ -309,11 +310,13 @@ class _Evaluator:
       # A jnp function reading a float32 region's value (jnp.take_along_axis in a loss):
       # evaluated in place, so that the region goes on through it.
       closed, written = eqn.params["jaxpr"], list[Any]()
-      outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written, True)
+      with fp8_plan.within(eqn):  # FP8 decisions are per call site.
+        outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written, True)
       return outs, written
     handler = HANDLERS.get(name)
     if handler is not None:
-      return handler(eqn, self.handler_ins(eqn, ins, metas), self.cfg, metas)
+      with fp8_plan.within(eqn):
+        return handler(eqn, self.handler_ins(eqn, ins, metas), self.cfg, metas)
     if name == "convert_element_type":
       return self.convert(eqn, ins[0], metas[0])
     floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(value_dtype(x))]

@@ -11,6 +11,13 @@ that keeps a stacked weight keeps every layer of the stack).
 
 The plan lives in a context variable while autocast evaluates the jaxpr
 (:func:`active`); autocast's FP8 rule asks :func:`decide` for each matmul.
+
+Decisions are per call site, not per equation: JAX traces a jitted helper
+once per input types, so two layers that call ``jax.jit(dense)`` hold the same
+``dot_general`` equation. A matmul is named by its *site*, the ids of the
+higher-order equations it is nested in (outermost first) and its own;
+autocast enters each higher-order equation :func:`within` its site, and keys
+its nested-jit cache on :func:`signature`, the decisions under the site.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import contextvars
 import dataclasses
 import math
 import warnings
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence, Union
 
 from jax.extend import core as jex_core
 
@@ -34,6 +41,12 @@ _PASS = frozenset({
     "expand_dims", "copy", "copy_p", "reduce_precision", "sharding_constraint", "reshard",
     "device_put", "pvary", "optimization_barrier",
 })
+# Element-wise ops through which a keep rule follows a weight (w / norm(w), w * mask,
+# w + a @ b), from an operand of the output's own shape that no broadcast made.
+_ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "select_n",
+    "clamp", "integer_pow", "square", "sqrt", "rsqrt", "pow",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +59,16 @@ class Matmul:
     sources: for the lhs and the rhs, the paths of the argument leaves it
       comes from (empty where it comes from none).
     shape: ``(lhs free size, contracting size, rhs free size, batch size)``.
+    reads: every argument path an operand comes from, element-wise ops on
+      it included (``w`` for ``x @ (w / norm(w))``, ``x @ (w * mask)``,
+      ``x @ (w + a @ b)``): what keep rules test.
   """
 
   index: int
   name: str
   sources: tuple[tuple[str, ...], tuple[str, ...]]
   shape: tuple[int, int, int, int]
+  reads: tuple[str, ...] = ()
 
   @property
   def paths(self) -> tuple[str, ...]:
@@ -59,27 +76,53 @@ class Matmul:
     return tuple(dict.fromkeys(self.sources[0] + self.sources[1]))
 
 
+class _Src(NamedTuple):
+  """Where a value comes from: through pass ops (``paths``), also element-wise ones (``reads``).
+
+  ``whole`` is false for a broadcast value (a bias, a norm's scale spread
+  over the activations), which element-wise ops do not follow.
+  """
+
+  paths: tuple[str, ...] = ()
+  reads: tuple[str, ...] = ()
+  whole: bool = True
+
+
+_NONE = _Src()
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The matmuls of one traced function, by equation, and the choices the recipe makes.
 
   Attributes:
-    matmuls: ``{id(eqn): Matmul}``.
+    matmuls: ``{site: Matmul}``, a site being the ids of the equations that
+      nest the matmul (outermost first) and of its own ``dot_general``.
     kept: the indices that keep rules keep in the half dtype.
     which: when set (``fp8_sensitivity``), a traced int32 scalar: the matmul
       numbered ``which`` runs in FP8 and every other in the half dtype. Each
       computes both products and picks one at run time, so that one compiled
       program measures every matmul in turn.
+    under: ``{site of a higher-order equation: the kept flags of the matmuls
+      nested in it, in program order}`` (see :func:`signature`).
   """
 
-  matmuls: Mapping[int, Matmul]
+  matmuls: Mapping[tuple[int, ...], Matmul]
   kept: frozenset[int] = frozenset()
   which: Any = None
+  under: Mapping[tuple[int, ...], tuple[bool, ...]] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE: contextvars.ContextVar[Union[Plan, None]] = contextvars.ContextVar(
     "jmp_lite_fp8_plan", default=None)
 _WHICH: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_lite_fp8_which", default=None)
+# The site of the higher-order equation autocast is evaluating (see the module docstring).
+_SITE: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar(
+    "jmp_lite_fp8_site", default=())
+# What a matmul that is not in the plan does (a custom rule's): None, as configured;
+# False, the half dtype (see :func:`unplanned`).
+_UNPLANNED: contextvars.ContextVar[Union[bool, None]] = contextvars.ContextVar(
+    "jmp_lite_fp8_unplanned", default=None)
 
 
 def _dims(eqn: Any) -> tuple[int, int, int, int]:
@@ -99,7 +142,7 @@ def _name(eqn: Any) -> str:
   return "/".join(parts)
 
 
-def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[_Src]) -> list[_Src]:
   """The sources of sub-jaxpr ``k``'s inputs, from the equation's operands."""
   n = len(sub.invars)
   if eqn.primitive.name == "while":
@@ -110,27 +153,44 @@ def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[tuple[str, ...]]) -> list
     return srcs
   if len(srcs) == n + 1:  # cond: the branch index first
     return srcs[1:]
-  return [()] * n
+  return [_NONE] * n
 
 
-def _walk(jaxpr: Any, sources: list[tuple[str, ...]], found: list[tuple[Any, Matmul]]) -> list[tuple[str, ...]]:
-  """Adds the matmuls of ``jaxpr`` to ``found``; the sources of its outputs."""
-  env: dict[Any, tuple[str, ...]] = dict(zip(jaxpr.invars, sources))
+Found = list[tuple[tuple[int, ...], Any, Matmul]]  # (site, eqn, matmul)
 
-  def src(v: Any) -> tuple[str, ...]:
-    return () if isinstance(v, jex_core.Literal) else env.get(v, ())
+
+def _elementwise(eqn: Any, ins: list[_Src]) -> _Src:
+  """An element-wise op's output reads what its whole operands of its own shape read."""
+  shape = eqn.outvars[0].aval.shape
+  reads = [p for v, x in zip(eqn.invars, ins)
+           if x.whole and getattr(v.aval, "shape", None) == shape for p in x.reads]
+  return _Src((), tuple(dict.fromkeys(reads)))
+
+
+def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] = ()) -> list[_Src]:
+  """Adds the matmuls of ``jaxpr`` (nested at ``site``) to ``found``; the sources of its outputs."""
+  env: dict[Any, _Src] = dict(zip(jaxpr.invars, sources))
+
+  def src(v: Any) -> _Src:
+    return _NONE if isinstance(v, jex_core.Literal) else env.get(v, _NONE)
 
   for eqn in jaxpr.eqns:
     ins = [src(v) for v in eqn.invars]
     name = eqn.primitive.name
-    outs: list[tuple[str, ...]] = [()] * len(eqn.outvars)
+    outs: list[_Src] = [_NONE] * len(eqn.outvars)
     if name == "dot_general":
-      found.append((eqn, Matmul(len(found), _name(eqn), (ins[0], ins[1]), _dims(eqn))))
+      reads = tuple(dict.fromkeys(ins[0].reads + ins[1].reads))
+      found.append((site + (id(eqn),), eqn, Matmul(
+          len(found), _name(eqn), (ins[0].paths, ins[1].paths), _dims(eqn), reads)))
     elif name in _PASS and eqn.invars:
-      outs = [ins[0]] * len(eqn.outvars)
+      spread = name == "broadcast_in_dim" and (
+          math.prod(eqn.outvars[0].aval.shape) != math.prod(eqn.invars[0].aval.shape))
+      outs = [ins[0]._replace(whole=False) if spread else ins[0]] * len(eqn.outvars)
+    elif name in _ELEMENTWISE and len(eqn.outvars) == 1:
+      outs = [_elementwise(eqn, ins)]
     subs = list(jaxpr_utils.subjaxprs(eqn))
     for k, sub in enumerate(subs):
-      sub_outs = _walk(sub, _sub_inputs(eqn, sub, k, ins), found)
+      sub_outs = _walk(sub, _sub_inputs(eqn, sub, k, ins), found, site + (id(eqn),))
       if len(subs) == 1 and len(sub_outs) == len(eqn.outvars) and name != "scan":
         outs = sub_outs  # A call's outputs are its body's.
     env.update(zip(eqn.outvars, outs))
@@ -156,8 +216,12 @@ def matmuls(jaxpr: Any, paths: Sequence[Union[str, None]]) -> list[tuple[Any, Ma
     >>> [(m.index, m.sources, m.shape) for _, m in matmuls(jaxpr.jaxpr, ["0/a", "0/b", "1"])]
     [(0, (('1',), ('0/a',)), (5, 3, 4, 1)), (1, ((), ('0/b',)), (5, 4, 2, 1))]
   """
-  found: list[tuple[Any, Matmul]] = []
-  _walk(jaxpr, [() if p is None else (p,) for p in paths], found)
+  return [(eqn, m) for _, eqn, m in _found(jaxpr, paths)]
+
+
+def _found(jaxpr: Any, paths: Sequence[Union[str, None]]) -> Found:
+  found: Found = []
+  _walk(jaxpr, [_NONE if p is None else _Src((p,), (p,)) for p in paths], found)
   return found
 
 
@@ -170,21 +234,27 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
   ``min_size`` that no floating matmul reaches, since FP8 was asked for and
   nothing would run in it.
   """
-  found = matmuls(jaxpr, paths)
+  sites = _found(jaxpr, paths)
+  found = [(eqn, m) for _, eqn, m in sites]
   _warn_if_all_too_small([(eqn, m) for eqn, m in found if _floating(eqn)], recipe)
   kept: set[int] = set()
   keep = tuple(recipe.keep)  # type: ignore[arg-type]  # Normalised to a tuple by the recipe.
   if keep:
     leaf_of = {p: x for p, x in zip(paths, leaves) if p is not None}
-    read = list({p: leaf_of[p] for _, m in found for p in m.paths if p in leaf_of}.items())
+    read = list({p: leaf_of[p] for _, m in found for p in m.reads if p in leaf_of}.items())
     rules = [policy_lib.compile_rule(r) for r in keep]
     for eqn, m in found:
-      if any(rule(p, leaf_of[p]) for rule in rules for p in m.paths if p in leaf_of):
+      if any(rule(p, leaf_of[p]) for rule in rules for p in m.reads if p in leaf_of):
         kept.add(m.index)
     policy_lib.warn_unmatched(keep, read, "the Float8Recipe",
                               "argument leaf that a matmul reads", "no matmul in half",
                               "leaves the matmuls read")
-  return Plan({id(eqn): m for eqn, m in found}, frozenset(kept), _WHICH.get())
+  under: dict[tuple[int, ...], list[bool]] = {}
+  for site, _, m in sites:
+    for k in range(1, len(site)):
+      under.setdefault(site[:k], []).append(m.index in kept)
+  return Plan({site: m for site, _, m in sites}, frozenset(kept), _WHICH.get(),
+              {site: tuple(flags) for site, flags in under.items()})
 
 
 _TOO_SMALL_MSG = (
@@ -224,13 +294,58 @@ def choosing(which: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def active(p: Union[Plan, None]) -> Iterator[None]:
-  """Makes ``p`` the plan :func:`decide` reads while the block runs."""
-  token = _ACTIVE.set(p)
+def active(p: Union[Plan, None], site: tuple[int, ...] = (),
+           unplanned: Union[bool, None] = None) -> Iterator[None]:
+  """Makes ``p`` the plan :func:`decide` reads while the block runs, from ``site`` down.
+
+  ``unplanned=False`` runs the matmuls that are not in the plan (a custom
+  rule's, traced anew) in the half dtype.
+  """
+  tokens = (_ACTIVE.set(p), _SITE.set(site), _UNPLANNED.set(unplanned))
   try:
     yield
   finally:
-    _ACTIVE.reset(token)
+    for var, token in zip((_ACTIVE, _SITE, _UNPLANNED), tokens):
+      var.reset(token)  # type: ignore[attr-defined]
+
+
+def current() -> tuple[Union[Plan, None], tuple[int, ...], Union[bool, None]]:
+  """The active plan, site and ``unplanned``: what a rule run later enters again with :func:`active`."""
+  return _ACTIVE.get(), _SITE.get(), _UNPLANNED.get()
+
+
+@contextlib.contextmanager
+def within(eqn: Any) -> Iterator[None]:
+  """Autocast evaluates the sub-jaxprs of the higher-order ``eqn`` (at its site)."""
+  token = _SITE.set(_SITE.get() + (id(eqn),))
+  try:
+    yield
+  finally:
+    _SITE.reset(token)
+
+
+def signature() -> Any:
+  """What the decisions inside the higher-order equation being evaluated (:func:`within`) depend on.
+
+  The nested-jit cache keys on it, so that two call sites of one jitted
+  helper share a body only where their matmuls are kept alike.
+  """
+  p = _ACTIVE.get()
+  if p is None:
+    return None
+  return (_UNPLANNED.get(), p.under.get(_SITE.get()))
+
+
+def keeps_any() -> bool:
+  """Whether a keep rule keeps a matmul inside the higher-order equation being evaluated."""
+  p = _ACTIVE.get()
+  return p is not None and any(p.under.get(_SITE.get(), ()))
+
+
+def choosing_at_run_time() -> bool:
+  """Whether a sensitivity run (:func:`choosing`) is active: matmuls pick at run time."""
+  p = _ACTIVE.get()
+  return p is not None and p.which is not None
 
 
 def decide(eqn: Any, recipe: Float8Recipe) -> bool:
@@ -247,14 +362,15 @@ def decide(eqn: Any, recipe: Float8Recipe) -> bool:
   p = _ACTIVE.get()
   if p is None:
     return True
-  m = p.matmuls.get(id(eqn))
-  if m is None:  # Not in the traced function's jaxpr (a rule run later): as configured.
-    return p.which is None
+  m = p.matmuls.get(_SITE.get() + (id(eqn),))
+  if m is None:  # Not in the traced function's jaxpr (a custom rule's): as configured.
+    unplanned = _UNPLANNED.get()
+    return p.which is None if unplanned is None else unplanned
   return m.index not in p.kept
 
 
 def run_time_choice(eqn: Any) -> Union[tuple[Any, int], None]:
   """``(which, index)`` when a sensitivity run chooses ``eqn``'s precision at run time."""
   p = _ACTIVE.get()
-  m = None if p is None or p.which is None else p.matmuls.get(id(eqn))
+  m = None if p is None or p.which is None else p.matmuls.get(_SITE.get() + (id(eqn),))
   return None if m is None else (p.which, m.index)  # type: ignore[union-attr]

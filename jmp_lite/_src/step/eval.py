@@ -29,18 +29,20 @@ def make_eval_step(
     autocast: bool = False,
     fp8: bool | Float8Recipe | None = False,
     model_state: bool = False,
+    cast_batch: bool = True,
+    batch_keep_full: tuple[policy_lib.KeepRule, ...] = (),
 ) -> Callable[..., Any]:
   """Builds ``eval_fn(params, *args)``: ``fn`` in the training precision, compiled.
 
   Each call::
 
     p_c = policy.cast_to_compute(float32 view of params)   # keep rules apply
-    a_c = floating leaves of args cast to policy.compute_dtype
+    a_c = floating leaves of args cast to policy.compute_dtype   # batch_keep_full apply
     out = fn(p_c, *a_c)               # under autocast(fn, compute_dtype, fp8=fp8) if asked
     return policy.cast_to_output(out)
 
-  That is what :func:`make_train_step` gives ``loss_fn`` (with the default
-  ``cast_batch=True``), so a model evaluates "as trained": under autocast its
+  That is what :func:`make_train_step` gives ``loss_fn``, with the same
+  batch options (``cast_batch``, ``batch_keep_full``), so a model evaluates "as trained": under autocast its
   matmuls run in the compute dtype (or FP8) whatever the layers' ``dtype``
   fields say. The params are read, never changed or donated: the masters
   stay bit for bit as they were. Static leaves (an Equinox module's
@@ -61,6 +63,14 @@ def make_eval_step(
       (BatchNorm statistics, NNX non-param variables): it reaches ``fn`` in
       its stored dtypes, never cast, as the train step passes
       ``state.model_state`` to ``loss_fn``.
+    cast_batch: cast the floating leaves of ``args`` to
+      ``policy.compute_dtype`` (default), as ``make_train_step``'s option of
+      the same name casts the batch; ``False`` passes them as they are.
+    batch_keep_full: keep rules for ``args`` (each argument's key paths, as
+      the step's rules read its batch's): the leaves they select stay
+      float32, as with ``make_train_step(..., batch_keep_full=...)``. A model
+      trained with float16 targets past 65504 kept float32 evaluates with them
+      kept too.
 
   Returns:
     ``eval_fn(params, *args)`` (``eval_fn(params, model_state, *args)``),
@@ -86,15 +96,19 @@ def make_eval_step(
   """
   check_fn_and_policy("fn", fn, policy)
   with_state = checks.boolean("model_state", model_state)
+  cast_batch = checks.boolean("cast_batch", cast_batch)
   inner = under_autocast(fn, policy, autocast, fp8)
-  batch_policy = policy_lib.Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
-  config = stages.StepConfig(inner, policy, batch_policy)
+  batch_policy = policy_lib.Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
+                                   keep_full=batch_keep_full)
+  config = stages.StepConfig(inner, policy, None)
 
   def evaluate(_: None, parts: tuple[Any, Any, tuple[Any, ...]]) -> Any:
     params, state, args = parts
     inputs = stages.cast_parts(config, params, state, args)
+    # Each argument is cast as the step casts its one batch: rules read its own paths.
+    batch = tuple(batch_policy.cast_to_compute(a) for a in args) if cast_batch else args
     before = (inputs.model_state,) if with_state else ()
-    return policy.cast_to_output(inner(inputs.params, *before, *inputs.batch))
+    return policy.cast_to_output(inner(inputs.params, *before, *batch))
 
   jitted = FilteredJit(evaluate, donate=False)
 

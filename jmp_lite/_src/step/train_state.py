@@ -298,6 +298,7 @@ class TrainState:
     children = tuple(hollow[f][0] if f in hollow else getattr(self, f) for f in _CHILDREN)
     specs = tuple(hollow[f][1] for f in _HOLLOWED)
     self.__dict__["_tree"] = (children, (specs, tuple(getattr(self, f) for f in _META)))
+    self.__dict__["_seen"] = _seen(self.__dict__, specs)
 
   def replace(self, **changes: Any) -> "TrainState":
     """A copy with some fields replaced (``dataclasses.replace``)."""
@@ -322,7 +323,32 @@ def _flatten(state: TrainState) -> tuple[tuple[Any, ...], Any]:
   the state is built, so flattening it (every call of a jitted step) is one
   attribute read.
   """
-  return state.__dict__["_tree"]
+  values = state.__dict__
+  seen = values["_seen"]
+  if seen is not None and _edited(values, seen):
+    state.__post_init__()  # An in-place edit (state.params["w"] = new): hollow again.
+  return values["_tree"]
+
+
+def _seen(values: dict[str, Any], specs: tuple[Any, ...]) -> Any:
+  """What the hollowed fields with a static leaf held when their holes were made.
+
+  Their children are copies (the static leaves replaced by holes), so an
+  in-place edit of ``state.params`` (``state.params["w"] = new``) would not
+  reach them: :func:`_flatten` compares the fields with this record
+  (:func:`filtering.snapshot`) and hollows them again when they changed. A
+  field without static leaves is its own child, so an edit reaches the step
+  as it is, and needs no record.
+  """
+  if specs == _NO_SPECS:
+    return None
+  seen = [(f, filtering.snapshot(values[f])) for f, spec in zip(_HOLLOWED, specs)
+          if spec is not None]
+  return tuple((f, shot) for f, shot in seen if shot is not None) or None
+
+
+def _edited(values: dict[str, Any], seen: Any) -> bool:
+  return any(filtering.edited(values[f], shot) for f, shot in seen)
 
 
 def _flatten_with_keys(state: TrainState) -> tuple[list[Any], Any]:
@@ -344,6 +370,7 @@ def _unflatten(aux: Any, children: Any) -> TrainState:
     for f, spec in zip(_HOLLOWED, specs):
       values[f] = filtering.fill(values[f], spec)
   values["_tree"] = (tuple(children), aux)
+  values["_seen"] = _seen(values, specs)
   return state
 
 
