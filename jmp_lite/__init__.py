@@ -24,6 +24,9 @@ from jmp_lite._src.scaling.loss_scale import StaticLossScale
 from jmp_lite._src.scaling.loss_scale import all_finite
 from jmp_lite._src.scaling.loss_scale import select_tree
 from jmp_lite._src.masters import apply_updates
+from jmp_lite._src.optim.quantize import QuantizedArray
+from jmp_lite._src.optim.quantize import QuantizedState
+from jmp_lite._src.optim.quantize import quantize_state
 from jmp_lite._src.policy import Policy
 from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
@@ -57,6 +60,8 @@ __all__ = (
     "NoOpLossScale",
     "Policy",
     "PrecisionReport",
+    "QuantizedArray",
+    "QuantizedState",
     "StaticLossScale",
     "TrainState",
     "all_finite",
@@ -75,6 +80,7 @@ __all__ = (
     "nonfinite_paths",
     "precision_lint",
     "precision_report",
+    "quantize_state",
     "select_tree",
     "skipped_steps_of",
     "static_loss_scaling",
