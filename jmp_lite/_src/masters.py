@@ -134,7 +134,7 @@ def is_lean(x: Any) -> bool:
 # ------------------------------------------------------------ stochastic rounding
 
 
-def mix32(x: jax.Array) -> jax.Array:
+def _mix32(x: jax.Array) -> jax.Array:
   """A bijective 32-bit integer hash (Chris Wellons' ``lowbias32``)."""
   x = x ^ (x >> 16)
   x = x * np.uint32(0x7FEB352D)
@@ -160,7 +160,7 @@ def _low_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
     iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
     index = index + iota * np.uint32(stride % 2**32)
     stride *= shape[axis]
-  return mix32(index ^ seed) >> 16
+  return _mix32(index ^ seed) >> 16
 
 
 def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:
