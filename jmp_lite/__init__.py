@@ -17,6 +17,9 @@ from jmp_lite._src.diagnostics.grad_report import nonfinite_paths
 from jmp_lite._src.diagnostics.lint import LintFinding
 from jmp_lite._src.diagnostics.lint import LintFindings
 from jmp_lite._src.diagnostics.lint import precision_lint
+from jmp_lite._src.diagnostics.memory_ledger import LedgerRow
+from jmp_lite._src.diagnostics.memory_ledger import MemoryLedger
+from jmp_lite._src.diagnostics.memory_ledger import memory_ledger
 from jmp_lite._src.scaling.loss_scale import DynamicLossScale
 from jmp_lite._src.scaling.loss_scale import LossScale
 from jmp_lite._src.scaling.loss_scale import NoOpLossScale
@@ -53,10 +56,12 @@ __all__ = (
     "Float8SensitivityRow",
     "GradientReport",
     "LeafStats",
+    "LedgerRow",
     "LintFinding",
     "LintFindings",
     "LossScale",
     "LossScaleState",
+    "MemoryLedger",
     "NoOpLossScale",
     "Policy",
     "PrecisionReport",
@@ -77,6 +82,7 @@ __all__ = (
     "loss_scale_of",
     "make_eval_step",
     "make_train_step",
+    "memory_ledger",
     "nonfinite_paths",
     "precision_lint",
     "precision_report",

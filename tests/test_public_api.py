@@ -27,6 +27,7 @@ DOCUMENTED = {
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "LintFindings", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
+    "memory_ledger", "MemoryLedger", "LedgerRow",
 }
 
 
