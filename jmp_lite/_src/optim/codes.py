@@ -57,6 +57,20 @@ def _safe_inverse(a: jax.Array) -> jax.Array:
   return jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
 
 
+def _cube_root(y: jax.Array) -> jax.Array:
+  """``y ** (1/3)`` for ``y`` in ``[0, 1]``: a bit-pattern guess and two Newton steps.
+
+  Relative error below 2e-6, far under the code's 1/255 steps. XLA:CPU's
+  ``cbrt`` costs about 50 ns per element (50x a multiply-add), which made
+  the CPU update 7x optax's; this is a few multiply-adds and one division.
+  """
+  bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+  r = jax.lax.bitcast_convert_type(bits // np.uint32(3) + np.uint32(709921077), jnp.float32)
+  for _ in range(2):
+    r = r - (r * r * r - y) / (3.0 * r * r)
+  return jnp.where(y > 0, r, 0.0)
+
+
 def encode(x: jax.Array, fmt: str, non_negative: bool) -> tuple[jax.Array, jax.Array]:
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
@@ -73,7 +87,7 @@ def encode(x: jax.Array, fmt: str, non_negative: bool) -> tuple[jax.Array, jax.A
   if fmt == "float8" and not non_negative:
     codes = (y * _E4M3_MAX).astype(jnp.float8_e4m3fn)
   elif non_negative:
-    codes = jnp.round(255.0 * jnp.cbrt(y)).astype(jnp.uint8)
+    codes = jnp.round(255.0 * _cube_root(y)).astype(jnp.uint8)
   else:
     codes = jnp.round(127.0 * jnp.sign(y) * jnp.sqrt(jnp.abs(y))).astype(jnp.int8)
   return codes, a[..., 0]
