@@ -63,3 +63,18 @@ def test_smoke_run_writes_its_report(tmp_path):
   bar_lines = [line for line in proc.stdout.splitlines() if "(limit " in line]
   assert len(bar_lines) == len(result["bars"]) == (6 if compiled else 2)
   assert all(line.startswith(report.SMOKE_STATUS + " ") for line in bar_lines)
+
+
+needs_plugin = pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
+                                  reason=str(gpu_compile.plugin_missing()))
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_h100_update_temp_is_at_most_float32_adamws():
+  # The benchmark Transformer's shapes (2.7M params): with a cube root XLA:GPU could not fuse
+  # (Newton steps), the 8-bit update needed a float32 buffer of its largest leaf, more than adamw.
+  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
+  params = optim_state.model_params("transformer", "cpu")
+  temp = {v: optim_state.h100_update(v, params, sharding)["temp_bytes"] for v in optim_state.VARIANTS}
+  assert temp["int8"] <= temp["adamw"] and temp["float8"] <= temp["adamw"], temp

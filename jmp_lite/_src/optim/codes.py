@@ -60,9 +60,14 @@ def _safe_inverse(a: jax.Array) -> jax.Array:
 def _cube_root(y: jax.Array) -> jax.Array:
   """``y ** (1/3)`` for ``y`` in ``[0, 1]``: a bit-pattern guess and two Newton steps.
 
-  Relative error below 2e-6, far under the code's 1/255 steps. XLA:CPU's
-  ``cbrt`` costs about 50 ns per element (50x a multiply-add), which made
-  the CPU update 7x optax's; this is a few multiply-adds and one division.
+  Relative error below 2e-6, far under the code's 1/255 steps. For the CPU
+  only: XLA:CPU's ``cbrt`` costs about 50 ns per element (50x a
+  multiply-add), which made the CPU update 7x optax's. On a GPU ``cbrt`` is
+  one fast instruction, and this form (an integer division and a loop)
+  stopped XLA:GPU from fusing the encode: compiled for an H100, the
+  Transformer benchmark's update then needed a float32 buffer of its largest
+  leaf (2.03 MiB of temp, against 0.05 MiB with ``cbrt``). :func:`encode`
+  picks one per platform (``lax.platform_dependent``).
   """
   bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
   r = jax.lax.bitcast_convert_type(bits // np.uint32(3) + np.uint32(709921077), jnp.float32)
@@ -87,7 +92,7 @@ def encode(x: jax.Array, fmt: str, non_negative: bool) -> tuple[jax.Array, jax.A
   if fmt == "float8" and not non_negative:
     codes = (y * _E4M3_MAX).astype(jnp.float8_e4m3fn)
   elif non_negative:
-    codes = jnp.round(255.0 * _cube_root(y)).astype(jnp.uint8)
+    codes = jnp.round(255.0 * jax.lax.platform_dependent(y, cpu=_cube_root, default=jnp.cbrt)).astype(jnp.uint8)
   else:
     codes = jnp.round(127.0 * jnp.sign(y) * jnp.sqrt(jnp.abs(y))).astype(jnp.int8)
   return codes, a[..., 0]
