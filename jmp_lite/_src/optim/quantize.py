@@ -59,6 +59,14 @@ class QuantizedArray:
     non_negative: the leaf is coded as a non-negative quantity (through its
       square or fourth root).
     block_size: elements per block.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> state = jmp.quantize_state(optax.adam(1e-3), min_size=0).init({"w": jnp.ones((2, 256))})
+    >>> nu = state.inner[0].nu["w"]
+    >>> nu.codes.dtype, nu.scales.shape, nu.non_negative, nu.dequantize().shape
+    (dtype('uint8'), (2, 1), True, (2, 256))
   """
 
   codes: jax.Array
@@ -82,7 +90,20 @@ jax.tree_util.register_dataclass(QuantizedArray)
 
 
 class QuantizedState(NamedTuple):
-  """The state of :func:`quantize_state`: the inner state, some leaves as :class:`QuantizedArray`."""
+  """The state of :func:`quantize_state`: the inner state, some leaves as :class:`QuantizedArray`.
+
+  Attributes:
+    inner: the inner transformation's state, with each coded leaf replaced
+      by its :class:`QuantizedArray`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> state = jmp.quantize_state(optax.sgd(0.1, momentum=0.9), min_size=0).init(
+    ...     {"w": jnp.ones(512)})
+    >>> type(state.inner[0].trace["w"]).__name__
+    'QuantizedArray'
+  """
 
   inner: optax.OptState
 
