@@ -38,6 +38,11 @@ changes:
   steered with a ``jmp.Float8Recipe``: the first block and the read-out kept in
   bf16 (``keep=r"params/(?:Block_0|Dense_0)/"``), or one scale per row
   (``scaling="rowwise"``).
+* ``bf16_lean_int8`` and ``bf16_lean_float8`` (not run by default): policy
+  ``mixed_bfloat16``, bfloat16 master weights with stochastic rounding and
+  AdamW's moments stored in 8 bits by ``jmp.quantize_state`` (about 4 bytes
+  per parameter instead of 12). Their results are named
+  ``transformer_lm_lean_state.*``.
 
 The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
@@ -385,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   name = NAME if args.loss == "optax" else f"{NAME}_naive"
   if any(MODES[m][2] for m in args.modes):
     name += "_fp8"
+  if any(m in LEAN_STATE for m in args.modes):
+    name += "_lean_state"
   train_tokens, valid_tokens = split(load_corpus(int(args.corpus_mb * 2**20)))
   model = TransformerLM(d_model=args.d_model, layers=args.layers, heads=args.heads,
                         max_len=args.seq_len)

@@ -112,7 +112,7 @@ def test_transformer_lm_smoke_lean_state_modes(tmp_path):
   proc = _run_smoke("transformer_lm.py", tmp_path, "--no-progress", "--modes", "fp32",
                     "bf16_lean_int8", "bf16_lean_float8")
   assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
-  results = json.loads((tmp_path / "transformer_lm.json").read_text())["results"]
+  results = json.loads((tmp_path / "transformer_lm_lean_state.json").read_text())["results"]
   assert [r["mode"] for r in results] == ["fp32", "bf16_lean_int8", "bf16_lean_float8"]
   assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
   bpb = [r["valid_bpb"] for r in results]
