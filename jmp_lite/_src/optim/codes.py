@@ -41,15 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 FORMATS = ("int8", "float8")
 
 _E4M3_MAX = 448.0
-def code_dtype(fmt: str, non_negative: bool) -> np.dtype:
-  """The dtype of the codes of ``fmt`` (``"int8"`` or ``"float8"``)."""
-  if non_negative:
-    return np.dtype(jnp.uint8)
-  return np.dtype(jnp.float8_e4m3fn if fmt == "float8" else jnp.int8)
 
 
 def _safe_inverse(a: jax.Array) -> jax.Array:
@@ -80,7 +74,7 @@ def encode(x: jax.Array, fmt: str, non_negative: bool) -> tuple[jax.Array, jax.A
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
   Returns:
-    ``(codes, scales)``: codes of ``x``'s shape in :func:`code_dtype`, and
+    ``(codes, scales)``: codes of ``x``'s shape (int8, uint8 or float8_e4m3fn), and
     float32 scales of shape ``x.shape[:-1]``.
   """
   x = x.astype(jnp.float32)
