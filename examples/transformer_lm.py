@@ -38,6 +38,11 @@ changes:
   steered with a ``jmp.Float8Recipe``: the first block and the read-out kept in
   bf16 (``keep=r"params/(?:Block_0|Dense_0)/"``), or one scale per row
   (``scaling="rowwise"``).
+* ``bf16_lean_int8`` and ``bf16_lean_float8`` (not run by default): policy
+  ``mixed_bfloat16``, bfloat16 master weights with stochastic rounding and
+  AdamW's moments stored in 8 bits by ``jmp.quantize_state`` (about 4 bytes
+  per parameter instead of 12). Their results are named
+  ``transformer_lm_lean_state.*``.
 
 The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
@@ -85,7 +90,12 @@ MODES = {
                            jmp.Float8Recipe(min_size=0, keep=r"params/(?:Block_0|Dense_0)/")),
     "fp8_bf16_rowwise": ("mixed_bfloat16", True,
                          jmp.Float8Recipe(min_size=0, scaling="rowwise")),
+    # Lean state (issue 35): bf16 masters with stochastic rounding, AdamW's moments in 8 bits.
+    "bf16_lean_int8": ("mixed_bfloat16", False, False),
+    "bf16_lean_float8": ("mixed_bfloat16", False, False),
 }
+# mode -> quantize_state's format; these modes keep bf16 stochastic-rounding masters.
+LEAN_STATE = {"bf16_lean_int8": "int8", "bf16_lean_float8": "float8"}
 DEFAULT_MODES = ("fp32", "mixed_f16", "autocast_f16", "autocast_bf16")
 
 
@@ -203,10 +213,15 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
   policy_name, autocast, fp8 = MODES[mode]
   policy = jmp.get_policy(policy_name)
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr / 10)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  adamw = optax.adamw(schedule, weight_decay=0.01)
+  lean: dict[str, Any] = {}
+  if mode in LEAN_STATE:
+    adamw = jmp.quantize_state(adamw, LEAN_STATE[mode])
+    lean = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(seed))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
   if policy.compute_dtype == jnp.float16:
     tx = jmp.dynamic_loss_scaling(tx, init_scale=2.0**15)
-  state = jmp.TrainState.create(params=params, tx=tx)
+  state = jmp.TrainState.create(params=params, tx=tx, **lean)
   step = jmp.make_train_step(lambda p, b: loss_fn(model, p, b, naive), policy, autocast=autocast,
                              fp8=fp8)
 
@@ -375,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   name = NAME if args.loss == "optax" else f"{NAME}_naive"
   if any(MODES[m][2] for m in args.modes):
     name += "_fp8"
+  if any(m in LEAN_STATE for m in args.modes):
+    name += "_lean_state"
   train_tokens, valid_tokens = split(load_corpus(int(args.corpus_mb * 2**20)))
   model = TransformerLM(d_model=args.d_model, layers=args.layers, heads=args.heads,
                         max_len=args.seq_len)

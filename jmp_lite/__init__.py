@@ -17,6 +17,9 @@ from jmp_lite._src.diagnostics.grad_report import nonfinite_paths
 from jmp_lite._src.diagnostics.lint import LintFinding
 from jmp_lite._src.diagnostics.lint import LintFindings
 from jmp_lite._src.diagnostics.lint import precision_lint
+from jmp_lite._src.diagnostics.memory_ledger import LedgerRow
+from jmp_lite._src.diagnostics.memory_ledger import MemoryLedger
+from jmp_lite._src.diagnostics.memory_ledger import memory_ledger
 from jmp_lite._src.scaling.loss_scale import DynamicLossScale
 from jmp_lite._src.scaling.loss_scale import LossScale
 from jmp_lite._src.scaling.loss_scale import NoOpLossScale
@@ -24,6 +27,9 @@ from jmp_lite._src.scaling.loss_scale import StaticLossScale
 from jmp_lite._src.scaling.loss_scale import all_finite
 from jmp_lite._src.scaling.loss_scale import select_tree
 from jmp_lite._src.masters import apply_updates
+from jmp_lite._src.optim.quantize import QuantizedArray
+from jmp_lite._src.optim.quantize import QuantizedState
+from jmp_lite._src.optim.quantize import quantize_state
 from jmp_lite._src.policy import Policy
 from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
@@ -50,13 +56,17 @@ __all__ = (
     "Float8SensitivityRow",
     "GradientReport",
     "LeafStats",
+    "LedgerRow",
     "LintFinding",
     "LintFindings",
     "LossScale",
     "LossScaleState",
+    "MemoryLedger",
     "NoOpLossScale",
     "Policy",
     "PrecisionReport",
+    "QuantizedArray",
+    "QuantizedState",
     "StaticLossScale",
     "TrainState",
     "all_finite",
@@ -72,9 +82,11 @@ __all__ = (
     "loss_scale_of",
     "make_eval_step",
     "make_train_step",
+    "memory_ledger",
     "nonfinite_paths",
     "precision_lint",
     "precision_report",
+    "quantize_state",
     "select_tree",
     "skipped_steps_of",
     "static_loss_scaling",

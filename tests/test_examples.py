@@ -108,6 +108,18 @@ def test_transformer_lm_smoke_trains_four_ways(tmp_path):
 
 
 @pytest.mark.slow
+def test_transformer_lm_smoke_lean_state_modes(tmp_path):
+  proc = _run_smoke("transformer_lm.py", tmp_path, "--no-progress", "--modes", "fp32",
+                    "bf16_lean_int8", "bf16_lean_float8")
+  assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
+  results = json.loads((tmp_path / "transformer_lm_lean_state.json").read_text())["results"]
+  assert [r["mode"] for r in results] == ["fp32", "bf16_lean_int8", "bf16_lean_float8"]
+  assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
+  bpb = [r["valid_bpb"] for r in results]
+  assert max(bpb) < 1.01 * bpb[0]  # a few steps from the same weights: 8-bit state tracks fp32
+
+
+@pytest.mark.slow
 def test_transformer_lm_smoke_fp8_modes(tmp_path):
   proc = _run_smoke("transformer_lm.py", tmp_path, "--modes", "autocast_bf16", "fp8_bf16",
                     "fp8_f16", "fp8_bf16_keep_ends", "fp8_bf16_rowwise", "--sensitivity")

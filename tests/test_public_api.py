@@ -19,12 +19,15 @@ DOCUMENTED = {
     "TrainState", "make_train_step", "make_eval_step",
     # Lean master weights.
     "apply_updates",
+    # Quantised optimizer state.
+    "quantize_state", "QuantizedArray", "QuantizedState",
     # Autocast.
     "autocast", "AutocastLists", "Float8Recipe", "fp8_sensitivity", "Float8Sensitivity",
     "Float8SensitivityRow",
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "LintFindings", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
+    "memory_ledger", "MemoryLedger", "LedgerRow",
 }
 
 
@@ -99,7 +102,7 @@ def test_readme_lean_masters_example_runs():
 FLOORS = {
     "tree_utils": 1, "checks": 1, "filtering": 1, "jaxpr_utils": 1,
     "policy": 2, "masters": 2, "scaling": 2,
-    "fp8": 3,
+    "fp8": 3, "optim": 3,
     "autocast": 4,
     "step": 5,
     "diagnostics": 6,

@@ -1,0 +1,1 @@
+"""Optimizer state in fewer bits: block-wise 8-bit codes for optax states."""

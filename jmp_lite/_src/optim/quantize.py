@@ -1,0 +1,298 @@
+"""``quantize_state``: any optax transformation's per-parameter state in 8 bits.
+
+The wrapper stores the floating leaves of the inner state that belong to one
+parameter (Adam's ``mu`` and ``nu``, lion's ``mu``, a momentum ``trace``, a
+``MultiSteps`` accumulator inside it) as :class:`QuantizedArray` codes with one
+float32 scale per block of ``block_size`` elements (codes in
+:mod:`jmp_lite._src.optim.codes`). Each update runs in float32 inside the
+caller's jit::
+
+  state  = decode(codes, scales)              # float32, the inner's own dtypes
+  updates, state = inner.update(grads, state, params)
+  codes, scales  = encode(state)              # the same leaves, the same codes
+
+A leaf of the inner state is per-parameter when its key path ends with a
+parameter's key path and it has that parameter's shape. Leaves with fewer
+than ``min_size`` elements, leaves whose parameter a ``keep`` rule selects,
+integer leaves (counts) and every other leaf stay as the inner made them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite._src import checks
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import tree_utils
+from jmp_lite._src.optim import codes as codes_lib
+
+# Names of optax state fields that are never negative (second moments, sums of squares).
+NON_NEGATIVE_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares", "v", "v_hat"})
+
+_FORMAT_MSG = "format must be one of {allowed}, got {value!r}"
+_BLOCK_MSG = "block_size must be a power of two >= 32 (e.g. 256), got {value!r}"
+_TX_MSG = ("tx must be an optax GradientTransformation (an object with init and update, "
+           "such as optax.adamw(1e-3)), got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """One state leaf in 8 bits: codes, one float32 scale per block, and how to decode them.
+
+  A pytree: ``codes`` and ``scales`` are its children; the rest is static.
+
+  Attributes:
+    codes: int8, uint8 or float8_e4m3fn codes. The leaf's own shape when its
+      last axis is a multiple of ``block_size`` (blocks run along it);
+      otherwise ``(blocks, block_size)`` over the flattened, zero-padded leaf.
+    scales: float32, one per block (``codes.shape[:-1] + (blocks,)`` or
+      ``(blocks,)``).
+    shape: the leaf's shape.
+    dtype: the leaf's dtype (what decoding returns).
+    format: ``"int8"`` or ``"float8"``.
+    non_negative: the leaf is coded as a non-negative quantity (through its
+      square or fourth root).
+    block_size: elements per block.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> state = jmp.quantize_state(optax.adam(1e-3), min_size=0).init({"w": jnp.ones((2, 256))})
+    >>> nu = state.inner[0].nu["w"]
+    >>> nu.codes.dtype, nu.scales.shape, nu.non_negative, nu.dequantize().shape
+    (dtype('uint8'), (2, 1), True, (2, 256))
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+  format: str = dataclasses.field(metadata=dict(static=True))
+  non_negative: bool = dataclasses.field(metadata=dict(static=True))
+  block_size: int = dataclasses.field(metadata=dict(static=True))
+
+  def dequantize(self) -> jax.Array:
+    """The leaf in its own dtype and shape."""
+    blocks = _blocked_shape(self.shape, self.block_size)
+    x = codes_lib.decode(self.codes.reshape(blocks), self.scales, self.format, self.non_negative)
+    if _along_last(self.shape, self.block_size):
+      return x.reshape(self.shape).astype(self.dtype)
+    return x.reshape(-1)[: int(np.prod(self.shape))].reshape(self.shape).astype(self.dtype)
+
+
+jax.tree_util.register_dataclass(QuantizedArray)
+
+
+class QuantizedState(NamedTuple):
+  """The state of :func:`quantize_state`: the inner state, some leaves as :class:`QuantizedArray`.
+
+  Attributes:
+    inner: the inner transformation's state, with each coded leaf replaced
+      by its :class:`QuantizedArray`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> state = jmp.quantize_state(optax.sgd(0.1, momentum=0.9), min_size=0).init(
+    ...     {"w": jnp.ones(512)})
+    >>> type(state.inner[0].trace["w"]).__name__
+    'QuantizedArray'
+  """
+
+  inner: optax.OptState
+
+
+def _along_last(shape: tuple[int, ...], block_size: int) -> bool:
+  """Whether blocks run along the last axis (else over the flattened, padded leaf)."""
+  return bool(shape) and shape[-1] % block_size == 0
+
+
+def _blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+  if _along_last(shape, block_size):
+    return shape[:-1] + (shape[-1] // block_size, block_size)
+  size = int(np.prod(shape))
+  return (-(-size // block_size), block_size)
+
+
+def quantize(x: jax.Array, fmt: str, non_negative: bool, block_size: int) -> QuantizedArray:
+  """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype)."""
+  shape = tuple(x.shape)
+  blocks = _blocked_shape(shape, block_size)
+  flat = x.astype(jnp.float32)
+  if not _along_last(shape, block_size):
+    flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
+  codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, non_negative)
+  stored = codes.reshape(shape) if _along_last(shape, block_size) else codes
+  return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, non_negative, block_size)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("name", "key", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _plan(state: Any, params: Any, min_size: int,
+          keep: tuple[Callable[[str, Any], bool], ...]) -> Any:
+  """For each leaf of ``state``: ``None`` (left alone) or whether it is non-negative."""
+  by_path: dict[tuple[str, ...], tuple[str, Any]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    by_path[tuple(_key_name(k) for k in path)] = (tree_utils.path_str(path), leaf)
+
+  def decide(path: Any, leaf: Any) -> Any:
+    if not tree_utils.is_floating_array(leaf) or leaf.size < min_size:
+      return None
+    names = tuple(_key_name(k) for k in path)
+    for start in range(len(names) + 1):
+      found = by_path.get(names[start:])
+      if found is None or tuple(np.shape(found[1])) != tuple(leaf.shape):
+        continue
+      if any(rule(found[0], found[1]) for rule in keep):
+        return None
+      return any(n in NON_NEGATIVE_FIELDS for n in names[:start])
+    return None
+
+  return jax.tree_util.tree_map_with_path(decide, state)
+
+
+def _is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedArray)
+
+
+def dequantize_tree(tree: Any) -> Any:
+  """Every :class:`QuantizedArray` in ``tree`` decoded; other leaves as they are."""
+  return jax.tree.map(lambda x: x.dequantize() if _is_quantized(x) else x, tree,
+                      is_leaf=_is_quantized)
+
+
+def _requantize(old: Any, new: Any) -> Any:
+  """``new``'s leaves coded where ``old`` holds a :class:`QuantizedArray`, with its code."""
+  def one(o: Any, n: Any) -> Any:
+    if not _is_quantized(o):
+      return n
+    return quantize(n.astype(o.dtype), o.format, o.non_negative, o.block_size)
+
+  return jax.tree.map(one, old, new, is_leaf=_is_quantized)
+
+
+def _check_tx(tx: Any) -> None:
+  if (isinstance(tx, type) or not callable(getattr(tx, "init", None))
+      or not callable(getattr(tx, "update", None))):
+    raise TypeError(_TX_MSG.format(value=checks.short_repr(tx)))
+
+
+def _check_format(fmt: Any) -> str:
+  if not isinstance(fmt, str):
+    raise TypeError(_FORMAT_MSG.format(allowed=codes_lib.FORMATS, value=fmt))
+  if fmt not in codes_lib.FORMATS:
+    raise ValueError(_FORMAT_MSG.format(allowed=codes_lib.FORMATS, value=fmt))
+  return fmt
+
+
+def _check_block_size(block_size: Any) -> int:
+  try:
+    n = checks.integer("block_size", block_size, minimum=32)
+  except (TypeError, ValueError) as e:
+    raise type(e)(_BLOCK_MSG.format(value=block_size)) from e
+  if n & (n - 1):
+    raise ValueError(_BLOCK_MSG.format(value=block_size))
+  return n
+
+
+def quantize_state(
+    tx: optax.GradientTransformation,
+    format: str = "int8",  # pylint: disable=redefined-builtin
+    *,
+    block_size: int = 256,
+    min_size: int = 4096,
+    keep: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
+) -> optax.GradientTransformationExtraArgs:
+  """Stores ``tx``'s per-parameter state in 8 bits, one float32 scale per block.
+
+  The update decodes the state to float32, runs ``tx.update`` and codes the
+  new state, all inside the caller's jit, where XLA fuses the arithmetic
+  codes into the update::
+
+    state   = decode(codes, scales)          # per leaf, float32
+    updates, state = tx.update(grads, state, params)
+    codes, scales  = encode(state)           # max |x| per block of block_size
+
+  ``"int8"`` codes signed state (momenta) as ``round(127 sign(x) sqrt(|x|/a))``
+  with ``a`` the block's largest ``|x|``; ``"float8"`` codes it as e4m3 of
+  ``x * 448 / a``. Non-negative state (second moments, known by field name:
+  ``nu``, ``nu_max``, ``sum_of_squares``, ``v``, ``v_hat``) is coded, in
+  either format, as uint8 ``round(255 (s / b)**(1/3))`` of ``s = sqrt(v)``,
+  which keeps ``v`` from 1 to below 1e-12 in one block: the small ``v`` of
+  rare features do not round to zero and their steps do not blow up.
+
+  Args:
+    tx: the optax transformation whose state is stored (adam, adamw, lion,
+      sgd with momentum, an ``optax.chain`` of them...).
+    format: ``"int8"`` or ``"float8"``.
+    block_size: elements per block, a power of two >= 32. Blocks run along a
+      leaf's last axis when it is a multiple of ``block_size``, else over the
+      flattened leaf.
+    min_size: leaves with fewer elements stay as ``tx`` made them.
+    keep: rules for parameters whose state stays as ``tx`` made it: a regex
+      (``re.search`` on the ``/``-joined parameter path, as
+      :class:`Float8Recipe`'s ``keep``) or a callable ``(path, leaf) -> bool``,
+      or several. Embeddings are the usual case.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`QuantizedState`.
+
+  Raises:
+    TypeError: if ``tx`` is not a transformation, ``format`` not a string,
+      ``block_size`` or ``min_size`` not an int, or a keep rule neither a
+      string nor a callable.
+    ValueError: for an unknown ``format``, a ``block_size`` that is not a
+      power of two >= 32, a negative ``min_size`` or a keep regex that does
+      not compile.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> tx = jmp.quantize_state(optax.adamw(1e-3), "int8", min_size=256)
+    >>> params = {"w": jnp.ones((4, 256)), "b": jnp.zeros(4)}
+    >>> state = tx.init(params)
+    >>> adam = state.inner[0]
+    >>> adam.mu["w"].codes.dtype, adam.nu["w"].codes.dtype, adam.mu["b"].dtype
+    (dtype('int8'), dtype('uint8'), dtype('float32'))
+    >>> updates, state = tx.update({"w": jnp.ones((4, 256)), "b": jnp.ones(4)}, state, params)
+    >>> round(float(updates["w"][0, 0]), 5)
+    -0.001
+  """
+  _check_tx(tx)
+  fmt = _check_format(format)
+  block_size = _check_block_size(block_size)
+  min_size = checks.integer("min_size", min_size, minimum=0)
+  rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep))
+  inner_tx = optax.with_extra_args_support(tx)
+
+  def init(params: optax.Params) -> QuantizedState:
+    state = inner_tx.init(params)
+    plan = _plan(state, params, min_size, rules)
+
+    def one(non_negative: Any, leaf: Any) -> Any:
+      return leaf if non_negative is None else quantize(leaf, fmt, non_negative, block_size)
+
+    return QuantizedState(jax.tree.map(one, plan, state, is_leaf=lambda x: x is None))
+
+  def update(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
+             **extra_args: Any) -> tuple[optax.Updates, QuantizedState]:
+    if not isinstance(state, QuantizedState):
+      raise TypeError(f"quantize_state's update needs the QuantizedState its init made, got "
+                      f"{checks.type_name(state)}")
+    inner = dequantize_tree(state.inner)
+    updates, inner = inner_tx.update(updates, inner, params, **extra_args)
+    return updates, QuantizedState(_requantize(state.inner, inner))
+
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,80 @@
+"""``python -m benchmarks.optim_state`` (issue 35): its bars, its persistent column and its smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import gpu_compile
+from benchmarks import optim_state
+from benchmarks import report
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_bars_compare_the_update_temp_with_adamw_and_the_persistent_bytes_with_4_1():
+  rows = [dict(model="m", variant="adamw", temp_bytes=100, persistent_per_param=12.0),
+          dict(model="m", variant="int8", temp_bytes=90, persistent_per_param=4.03),
+          dict(model="m", variant="float8", temp_bytes=120, persistent_per_param=4.03)]
+  bars = optim_state.check_bars(rows, meaningful=True)
+  assert [(b["what"], b["value"], b["passed"]) for b in bars] == [
+      ("int8 / adamw H100 update temp", 0.9, True),
+      ("float8 / adamw H100 update temp", 1.2, False),
+      ("int8 + bf16 masters: persistent bytes/param", 4.03, True)]
+
+
+def test_persistent_bytes_from_shapes_only():
+  params = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+            "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
+  adamw, int8 = (optim_state.persistent(v, params) for v in ("adamw", "int8"))
+  n = 64 * 256 + 64
+  assert adamw["params"] == int8["params"] == n
+  assert adamw["persistent_bytes"] == 12 * n + 8  # Adam's count and the step
+  # bf16 masters (2) + int8 mu and uint8 nu (1 + 1) + one float32 scale per 256 (x2); the
+  # 64 biases (under min_size) keep float32 moments; the rounding key (8 bytes).
+  assert int8["persistent_bytes"] == 2 * n + 2 * 64 * 256 + 2 * 4 * 64 + 8 * 64 + 8 + 8
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_its_report(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.optim_state", "--smoke", "--out",
+                         str(tmp_path)], cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="error"),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  files = sorted(tmp_path.iterdir())
+  assert [f.suffix for f in files] == [".json", ".md"]
+  assert files[0].stem.startswith("optim-state-cpu-")
+  result = json.loads(files[0].read_text())
+  assert result["meta"]["command"] == f"python -m benchmarks.optim_state --smoke --out {tmp_path}"
+  assert [(r["model"], r["variant"]) for r in result["rows"]] == [
+      (m, v) for m in optim_state.SMOKE_MODELS for v in optim_state.VARIANTS]
+  compiled = gpu_compile.plugin_missing() is None
+  for r in result["rows"]:
+    assert ("temp_bytes" in r) == compiled
+    assert ("cpu_update_s" in r) == (r["model"] != optim_state.BIG)
+  assert files[1].read_text() in proc.stdout
+  bar_lines = [line for line in proc.stdout.splitlines() if "(limit " in line]
+  assert len(bar_lines) == len(result["bars"]) == (6 if compiled else 2)
+  assert all(line.startswith(report.SMOKE_STATUS + " ") for line in bar_lines)
+
+
+needs_plugin = pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
+                                  reason=str(gpu_compile.plugin_missing()))
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_h100_update_temp_is_at_most_float32_adamws():
+  # The benchmark Transformer's shapes (2.7M params): with a cube root XLA:GPU could not fuse
+  # (Newton steps), the 8-bit update needed a float32 buffer of its largest leaf, more than adamw.
+  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
+  params = optim_state.model_params("transformer", "cpu")
+  temp = {v: optim_state.h100_update(v, params, sharding)["temp_bytes"] for v in optim_state.VARIANTS}
+  assert temp["int8"] <= temp["adamw"] and temp["float8"] <= temp["adamw"], temp
