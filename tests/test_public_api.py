@@ -25,6 +25,7 @@ DOCUMENTED = {
     # Diagnostics.
     "GradientReport", "LeafStats", "LintFinding", "LintFindings", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
+    "compile_for_gpu", "GpuCompileReport",
 }
 
 
