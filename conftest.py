@@ -1,13 +1,40 @@
 """Loaded by pytest before anything imports JAX: the environment the whole suite runs in.
 
-With the CUDA plugin installed (``pip install -e '.[gpu]'``, for the GPU-compile
-tests) on a machine without a GPU driver, the plugin's start-up check of the
-driver's CUDA version would fail and take the CUDA platform down with it, and
-with it the deviceless compiles. Skipping that check lets JAX fall back to the
-CPU for running, and keeps the CUDA compiler available for compiling. On a
-machine with a GPU the check is only a version comparison.
+The CUDA plugin. With it installed (``pip install -e '.[gpu]'``, for the
+GPU-compile tests) on a machine without a GPU driver, the plugin's start-up
+check of the driver's CUDA version would fail and take the CUDA platform down
+with it, and with it the deviceless compiles. Skipping that check lets JAX fall
+back to the CPU for running, and keeps the CUDA compiler available for
+compiling. On a machine with a GPU the check is only a version comparison.
+
+The compilation cache. JAX's persistent compilation cache is on, in
+``.jax_cache/`` at the repository root (git ignores it), for every program
+however small or quick to compile: the pytest-xdist workers and the example,
+benchmark and docs subprocesses (they inherit these variables) then compile a
+program once and load it from the cache after that, the same train step built
+again by another test included. An empty cache (a fresh clone, as in CI) costs
+only the writes; set ``JAX_COMPILATION_CACHE_DIR`` to use another folder, or
+``JAX_ENABLE_COMPILATION_CACHE=false`` to compile everything afresh.
 """
 
 import os
+import pathlib
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": str(pathlib.Path(__file__).resolve().parent / ".jax_cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # every program, however quick
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",  # however small
+}
+for name, value in CACHE.items():
+    os.environ.setdefault(name, value)
+
+import jax  # noqa: E402  (after the environment: JAX reads it when it starts)
+
+# In case a plugin imported JAX before this file ran: the same settings through its config.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))

@@ -35,6 +35,7 @@ from benchmarks import cli
 from benchmarks import gpu_compile  # Sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK before JAX starts.
 from benchmarks import hlo_census
 from benchmarks import report
+from jmp_lite._src.diagnostics import gpu_compile as gpu_lib
 
 PROG = "python -m benchmarks.fp8_sizes"
 # Dense peaks and HBM bandwidth of the H100 SXM, from NVIDIA's H100 Tensor Core GPU
@@ -69,7 +70,7 @@ def linear_work(recipe: Any) -> Any:
   return jax.jit(work)
 
 
-def compile_linear(shape: tuple[int, int, int], fp8: bool, sharding: Any,
+def compile_linear(shape: tuple[int, int, int], fp8: bool, target: str,
                    flags: dict[str, Any]) -> Any:
   """:func:`linear_work` for ``(M, K, N)``, all in FP8 (``min_size=0``) or in bf16, compiled."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -79,7 +80,7 @@ def compile_linear(shape: tuple[int, int, int], fp8: bool, sharding: Any,
   m, k, n = shape
   args = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((k, n), (m, k), (m, n)))
   recipe = jmp.Float8Recipe(min_size=0) if fp8 else None
-  return gpu_compile.compile_step(linear_work(recipe), args, sharding, flags)
+  return gpu_lib.compile_placed(linear_work(recipe), args, target, flags)
 
 
 def kernel_seconds(k: hlo_census.Kernel, launch_s: float, peaks: dict[str, float] = H100) -> float:
@@ -162,13 +163,13 @@ def pick_min_size(ratios: dict[tuple[str, int], float]) -> int | None:
 Compiled = dict[tuple[str, tuple[int, int, int]], dict[str, list[hlo_census.Kernel]]]
 
 
-def measure(shapes: list[tuple[int, int, int]], flag_sets: list[str], sharding: Any) -> Compiled:
+def measure(shapes: list[tuple[int, int, int]], flag_sets: list[str], target: str) -> Compiled:
   """The kernels of every shape, in bf16 and in FP8, under every flag set."""
   found: Compiled = {}
   for flags in flag_sets:
     for shape in shapes:
       found[flags, shape] = {mode: hlo_census.kernels(compile_linear(
-          shape, mode == "fp8", sharding, gpu_compile.FLAG_SETS[flags]).as_text())
+          shape, mode == "fp8", target, gpu_compile.FLAG_SETS[flags]).as_text())
                              for mode in ("bf16", "fp8")}
   return found
 
@@ -287,9 +288,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   flag_sets = cli.choose(args.flags, tuple(gpu_compile.FLAG_SETS), tuple(gpu_compile.FLAG_SETS),
                          "flag set")
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
-  device = sharding.mesh.devices.flat[0]
-  found = measure(list(SMOKE_SHAPES if args.smoke else SHAPES), flag_sets, sharding)
+  device = gpu_lib.topology_sharding("h100").mesh.devices.flat[0]
+  found = measure(list(SMOKE_SHAPES if args.smoke else SHAPES), flag_sets, "h100")
   rows = estimate(found, args.launch_us)
   for r in rows:
     print(f"{r['flags']:15s} {r['m']:>6d} {r['k']:>6d} {r['n']:>6d}  FP8/bf16 {r['ratio']:.3f}  "

@@ -2,13 +2,13 @@
 
 Run ``python -m benchmarks.gpu_compile --help``. XLA's GPU compiler can build
 the program an H100 would run without the GPU ("deviceless" ahead-of-time
-compilation), from a target description (``benchmarks/gpu_targets/``). For
-each model and train-step variant of ``benchmarks/variants.py`` the script
-lowers the step on ``jax.ShapeDtypeStruct``s placed on a one-GPU topology mesh,
-compiles it, and reports:
+compilation), from a target description that ships with jmp_lite. For each
+model and train-step variant of ``benchmarks/variants.py`` the script compiles
+the step with ``jmp.compile_for_gpu`` (its shapes placed on a one-GPU topology
+mesh) and reports:
 
 - every GEMM, by what runs it (cuBLASLt FP8, cuBLASLt, cuBLAS, a Triton GEMM,
-  cuDNN, XLA's own loops) and its operand dtypes (``benchmarks/hlo_census.py``);
+  cuDNN, XLA's own loops) and its operand dtypes (``jmp.compile_for_gpu``'s census);
 - the convolutions by runner and dtype;
 - the temp, argument, output and alias bytes of ``compiled.memory_analysis()``,
 
@@ -23,17 +23,14 @@ speed (nothing runs), and autotuned choices (no autotuning without a GPU).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
-# Before JAX starts: the CUDA plugin checks the driver's CUDA version at
-# start-up, and without a driver that check takes the CUDA platform (and so the
-# compiler) down. See conftest.py.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# First: on a machine without a GPU driver it sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK
+# before JAX starts, so that the CUDA plugin's compiler stays up (see conftest.py).
+from jmp_lite._src.diagnostics import gpu_compile as gpu_lib  # noqa: E402
 
 from benchmarks import bars as bars_lib  # noqa: E402  (after the environment is set)
 from benchmarks import cli  # noqa: E402
@@ -42,7 +39,7 @@ from benchmarks import models  # noqa: E402
 from benchmarks import report  # noqa: E402
 
 PROG = "python -m benchmarks.gpu_compile"
-TARGETS = {"h100": pathlib.Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.txtpb"}
+TARGETS = gpu_lib.GPU_TARGETS
 FLAG_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "no-triton-gemm": {"xla_gpu_enable_triton_gemm": False},
@@ -51,17 +48,8 @@ VARIANTS = ("fp32", "fp32_step", "bf16", "f16_dynamic", "bf16_lean", "bf16_autoc
             "bf16_fp8_rowwise",
             "f16_noscale", "jmp_dynamic", "flax_dynamic")
 SMOKE_VARIANTS = ("bf16", "bf16_fp8", "jmp_dynamic")
-PLUGIN_HINT = ("the CUDA plugin for jax is not installed: pip install -e '.[gpu]' (about 5.6 GB; "
-               "no GPU or driver needed)")
-
-
-def plugin_missing() -> str | None:
-  """Why a GPU compile cannot run here (the plugin is absent), or ``None`` if it can."""
-  try:
-    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # Not even the jax_plugins namespace.
-    found = False
-  return None if found else PLUGIN_HINT
+PLUGIN_HINT = gpu_lib.PLUGIN_HINT
+plugin_missing = gpu_lib.plugin_missing
 
 
 def require_plugin(p: argparse.ArgumentParser) -> None:
@@ -71,47 +59,25 @@ def require_plugin(p: argparse.ArgumentParser) -> None:
     p.error(missing)
 
 
-def topology_sharding(target: pathlib.Path) -> Any:
-  """A replicated ``NamedSharding`` on a one-GPU mesh of ``target``'s device."""
+def measure(name: str, problem: models.Problem, target: str, options: dict[str, Any]) -> dict[str, Any]:
+  """Compiles variant ``name`` for ``target`` and reads its memory and its GEMM/convolution census."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-
-  topology = topologies.get_topology_desc(
-      platform="cuda", target_config=target.read_text(), topology="1x1x1")
-  mesh = topologies.make_mesh(topology, (1,), ("data",))
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
-def compile_step(fn: Callable[..., Any], args: tuple[Any, ...], sharding: Any,
-                 options: dict[str, Any]) -> Any:
-  """``fn`` (jitted) lowered on ``args``' shapes placed by ``sharding``, compiled with ``options``."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  def struct(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-  return fn.lower(*jax.tree.map(struct, args)).compile(compiler_options=options)
-
-
-def measure(name: str, problem: models.Problem, sharding: Any, options: dict[str, Any]) -> dict[str, Any]:
-  """Compiles variant ``name`` and reads its memory and its GEMM/convolution census."""
-  import jax  # pylint: disable=import-outside-toplevel
+  import jmp_lite as jmp  # pylint: disable=import-outside-toplevel
   from benchmarks import variants as variants_lib  # pylint: disable=import-outside-toplevel
 
   variant = variants_lib.make_variant(name, problem)
   start = time.perf_counter()
-  compiled = compile_step(variant.fn, (jax.eval_shape(variant.init), problem.batch), sharding,
-                          options)
+  compiled = jmp.compile_for_gpu(variant.fn, jax.eval_shape(variant.init), problem.batch,
+                                 target=target, compiler_options=options)
   seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
   return dict(
       variant=name,
       compile_s=seconds,
-      temp_bytes=int(mem.temp_size_in_bytes),
-      argument_bytes=int(mem.argument_size_in_bytes),
-      output_bytes=int(mem.output_size_in_bytes),
-      alias_bytes=int(mem.alias_size_in_bytes),
-      **hlo_census.summary(hlo_census.census(compiled.as_text())),
+      temp_bytes=compiled.temp_bytes,
+      argument_bytes=compiled.argument_bytes,
+      output_bytes=compiled.output_bytes,
+      alias_bytes=compiled.alias_bytes,
+      **hlo_census.summary(list(compiled.ops)),
   )
 
 
@@ -259,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
   variants = cli.choose(args.variants, VARIANTS, SMOKE_VARIANTS if args.smoke else VARIANTS,
                         "variant")
   flag_sets = cli.choose(args.flags, tuple(FLAG_SETS), tuple(FLAG_SETS), "flag set")
-  sharding = topology_sharding(TARGETS[args.target])
-  device = sharding.mesh.devices.flat[0]
+  device = gpu_lib.topology_sharding(args.target).mesh.devices.flat[0]
   rows, configs = [], {}
   for name in names:
     problem = models.build_problem(name, "smoke" if args.smoke else args.preset, batch=args.batch,
@@ -268,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     configs[name] = problem.config
     for flags in flag_sets:
       for variant in variants:
-        row = dict(model=name, flags=flags, **measure(variant, problem, sharding, FLAG_SETS[flags]))
+        row = dict(model=name, flags=flags, **measure(variant, problem, args.target, FLAG_SETS[flags]))
         print(f"{name:12s} {flags:15s} {variant:14s} temp {_mib(row['temp_bytes']):>9s} MiB  "
               f"FP8 share {row['fp8_fraction']:.2f}  {_kinds(row['gemm_kinds'])}", flush=True)
         rows.append(row)

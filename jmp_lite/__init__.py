@@ -10,6 +10,8 @@ from jmp_lite._src.fp8.recipe import Float8Recipe
 from jmp_lite._src.diagnostics.fp8_sensitivity import Float8Sensitivity
 from jmp_lite._src.diagnostics.fp8_sensitivity import Float8SensitivityRow
 from jmp_lite._src.diagnostics.fp8_sensitivity import fp8_sensitivity
+from jmp_lite._src.diagnostics.gpu_compile import GpuCompileReport
+from jmp_lite._src.diagnostics.gpu_compile import compile_for_gpu
 from jmp_lite._src.diagnostics.grad_report import GradientReport
 from jmp_lite._src.diagnostics.grad_report import LeafStats
 from jmp_lite._src.diagnostics.grad_report import gradient_report
@@ -54,6 +56,7 @@ __all__ = (
     "Float8Recipe",
     "Float8Sensitivity",
     "Float8SensitivityRow",
+    "GpuCompileReport",
     "GradientReport",
     "LeafStats",
     "LedgerRow",
@@ -74,6 +77,7 @@ __all__ = (
     "autocast",
     "cast_to_full",
     "cast_to_half",
+    "compile_for_gpu",
     "dynamic_loss_scaling",
     "fp8_sensitivity",
     "get_policy",

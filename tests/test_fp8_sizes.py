@@ -90,10 +90,9 @@ def test_smoke_run_writes_the_estimates(tmp_path):
 @needs_plugin
 def test_the_default_min_size_is_where_fp8_starts_to_pay_on_the_h100():
   """FP8 is estimated to pay at M = K = N = MIN_SIZE and not at half of it, on both GEMM paths."""
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
   for flags in gpu_compile.FLAG_SETS:
     found = fp8_sizes.measure([(fp8_lib.MIN_SIZE // 2,) * 3, (fp8_lib.MIN_SIZE,) * 3], [flags],
-                              sharding)
+                              "h100")
     half, full = (r["ratio"] for r in fp8_sizes.estimate(found, fp8_sizes.LAUNCH_US))
     assert half > 1.0 > full, (flags, half, full)
 
@@ -109,9 +108,8 @@ def test_fp8_gemm_dims_not_multiples_of_16_are_padded_for_cublaslt_and_taken_by_
 
   Neither path falls back to a half GEMM or refuses: every GEMM is float8.
   """
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
   shape = (100, 200, 10)
-  cublas = fp8_sizes.compile_linear(shape, True, sharding, {"xla_gpu_enable_triton_gemm": False})
+  cublas = fp8_sizes.compile_linear(shape, True, "h100", {"xla_gpu_enable_triton_gemm": False})
   text = cublas.as_text()
   fp8_calls = [line for line in _gemm_lines(text) if "__cublas$lt$matmul$f8" in line]
   assert len(fp8_calls) == len(_gemm_lines(text)) == 3
@@ -122,7 +120,7 @@ def test_fp8_gemm_dims_not_multiples_of_16_are_padded_for_cublaslt_and_taken_by_
   # The results come back in the layer's own shapes.
   outputs = re.search(r"^ENTRY .* -> \((.*)\) \{$", text, re.M).group(1)
   assert outputs == "bf16[100,10], bf16[200,10], bf16[100,200]"
-  triton = fp8_sizes.compile_linear(shape, True, sharding, {}).as_text()
+  triton = fp8_sizes.compile_linear(shape, True, "h100", {}).as_text()
   ops = [op for op in hlo_census.census(triton) if op.kind == "gemm"]
   assert len(ops) == 3 and all(op.float8 and op.runner == "Triton GEMM" for op in ops)
   assert not re.search(r"f8e4m3fn\[(?:112|208),", triton)  # unpadded

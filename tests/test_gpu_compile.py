@@ -1,4 +1,4 @@
-"""The program an H100 would run, compiled here without one (``benchmarks.gpu_compile``).
+"""The program an H100 would run, compiled here without one (``jmp.compile_for_gpu``, ``benchmarks.gpu_compile``).
 
 The census of an HLO module runs anywhere. The compiles need JAX's CUDA plugin
 (``pip install -e '.[gpu]'``; no GPU or driver): without it they skip, with the
@@ -9,15 +9,21 @@ installs it, so CI guards the GPU program.
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import jmp_lite as jmp
 from benchmarks import fp8_sizes
 from benchmarks import gpu_compile
 from benchmarks import hlo_census
 from benchmarks import models
+from conftest import classifier_batch, classifier_loss, classifier_params
+from jmp_lite._src.diagnostics import gpu_compile as gpu_lib
 
 needs_plugin = pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
                                   reason=str(gpu_compile.plugin_missing()))
@@ -58,8 +64,7 @@ def test_fp8_step_is_all_float8_gemms_on_both_gemm_paths(tmp_path):
 def test_step_needs_no_more_memory_than_jmp_on_a_parameter_heavy_model():
   """Issue 28: the MLP 4x4096 (235 MB of params) needed 2.7x jmp's temp memory."""
   problem = models.build_problem("mlp", "gpu")
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
-  temp = {name: gpu_compile.measure(name, problem, sharding, {})["temp_bytes"]
+  temp = {name: gpu_compile.measure(name, problem, "h100", {})["temp_bytes"]
           for name in ("jmp_dynamic", "f16_dynamic", "bf16", "bf16_lean")}
   assert temp["f16_dynamic"] <= 1.02 * temp["jmp_dynamic"], temp
   assert temp["bf16"] <= 1.02 * temp["jmp_dynamic"], temp
@@ -69,8 +74,7 @@ def test_step_needs_no_more_memory_than_jmp_on_a_parameter_heavy_model():
 @needs_plugin
 def test_fp8_step_needs_less_memory_than_bf16_autocast_on_the_transformer():
   problem = models.build_problem("transformer", "gpu", layers=1, batch=8)
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
-  fp8, bf16 = (gpu_compile.measure(name, problem, sharding, {})
+  fp8, bf16 = (gpu_compile.measure(name, problem, "h100", {})
                for name in ("bf16_fp8", "bf16_autocast"))
   assert fp8["fp8_gemms"] == fp8["gemms"] > 0
   assert fp8["temp_bytes"] < bf16["temp_bytes"], (fp8["temp_bytes"], bf16["temp_bytes"])
@@ -93,16 +97,12 @@ def test_without_the_plugin_the_command_says_what_to_install(command, monkeypatc
 ])
 def test_steered_fp8_steps_compile_to_float8_gemms_except_the_kept(recipe, bf16_gemms):
   """Issue 30: rowwise and keep-rule steps hold float8 GEMMs only, but for the kept layer's."""
-  import jmp_lite as jmp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
   problem = models.build_problem("mlp", "smoke")
   step = jmp.make_train_step(problem.loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True,
                              fp8=jmp.Float8Recipe(min_size=0, **recipe))  # toy sizes: every matmul
   init = lambda: jmp.TrainState.create(params=problem.params, tx=optax.adam(1e-3))
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
   for flags in gpu_compile.FLAG_SETS.values():
-    compiled = gpu_compile.compile_step(step, (jax.eval_shape(init), problem.batch), sharding, flags)
+    compiled = gpu_lib.compile_placed(step, (jax.eval_shape(init), problem.batch), "h100", flags)
     summary = hlo_census.summary(hlo_census.census(compiled.as_text()))
     assert summary["gemms"] - summary["fp8_gemms"] == bf16_gemms, summary["gemm_kinds"]
     assert all(" bf16 x bf16" in k or "f8" in k for k in summary["gemm_kinds"]), summary
@@ -115,8 +115,91 @@ def test_the_skip_is_a_select_on_the_gpu_and_a_cond_on_the_cpu():
 
   problem = models.build_problem("mlp", "smoke")
   variant = variants.make_variant("f16_dynamic", problem)
-  sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
-  gpu = gpu_compile.compile_step(variant.fn, (jax.eval_shape(variant.init), problem.batch),
-                                 sharding, {}).as_text()
+  gpu = gpu_lib.compile_placed(variant.fn, (jax.eval_shape(variant.init), problem.batch),
+                             "h100", {}).as_text()
   cpu = variant.fn.lower(variant.init(), problem.batch).compile().as_text()
   assert " conditional(" not in gpu and " conditional(" in cpu
+
+
+# ------------------------------------------------------------ jmp.compile_for_gpu
+
+
+def _classifier_step(**kwargs):
+  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"), **kwargs)
+  init = lambda: jmp.TrainState.create(params=classifier_params(), tx=optax.adam(1e-3))
+  return step, jax.eval_shape(init), classifier_batch()
+
+
+@needs_plugin
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compile_for_gpu_reports_the_gemms_of_a_users_train_step(fp8):
+  """Issue 37: a user's own make_train_step, compiled for an H100 on this machine."""
+  kwargs = dict(autocast=True, fp8=jmp.Float8Recipe(min_size=0)) if fp8 else {}
+  step, state, batch = _classifier_step(**kwargs)
+  report = jmp.compile_for_gpu(step, state, batch, target="h100")
+  assert report.device_kind == "NVIDIA H100 80GB HBM3" and report.target == "h100"
+  # Two matmuls forward, and each has a weight gradient; the first layer's input
+  # gradient is not needed (x is data), the second's is: 5 GEMMs.
+  assert report.num_gemms == 5 == len([op for op in report.ops if op.kind == "gemm"])
+  if fp8:
+    assert report.fp8_gemms == 5, report.gemms
+  else:
+    assert report.fp8_gemms == 0 and all(k.endswith("bf16 x bf16") for k in report.gemms), report
+  assert all(re.fullmatch(r"(cuBLASLt FP8|cuBLASLt|cuBLAS|Triton GEMM|XLA) \w+ x \w+", k)
+             for k in report.gemms), report.gemms
+  assert report.convolutions == {}
+  assert report.temp_bytes > 0 and report.output_bytes > 0
+  # The state is donated: its buffers come back as outputs.
+  assert 0 < report.alias_bytes <= report.argument_bytes
+  assert f"{report.num_gemms} GEMMs, {report.fp8_gemms} on float8 operands" in str(report)
+
+
+@needs_plugin
+def test_compile_for_gpu_takes_any_jittable_function_and_xla_options():
+  """A plain (not jitted) function with a convolution, on arrays; cuBLAS when Triton is off."""
+  def f(x, w, k):
+    y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.tanh(y.reshape(x.shape[0], -1) @ w)
+
+  x = jnp.ones((8, 16, 16, 32), jnp.bfloat16)
+  k = jnp.ones((3, 3, 32, 32), jnp.bfloat16)
+  w = jnp.ones((16 * 16 * 32, 64), jnp.bfloat16)
+  report = jmp.compile_for_gpu(f, x, w, k, compiler_options={"xla_gpu_enable_triton_gemm": False})
+  assert report.gemms == {"cuBLASLt bf16 x bf16": 1}, report.gemms
+  assert report.convolutions == {"cuDNN bf16 x bf16": 1}, report.convolutions
+  assert report.argument_bytes == 2 * (x.size + k.size + w.size)
+  assert report.output_bytes == 2 * 8 * 64
+
+
+def test_compile_for_gpu_report_prints_as_a_table():
+  op = hlo_census.Op("cuBLASLt", "bf16", "bf16", "d")
+  report = jmp.GpuCompileReport("h100", "NVIDIA H100 80GB HBM3", {"cuBLASLt bf16 x bf16": 3},
+                                {}, 3 * 2**20, 2**20, 2**19, 0, (op, op, op))
+  assert str(report) == "\n".join([
+      "compiled for NVIDIA H100 80GB HBM3 (h100), not run",
+      "  temp 3.0 MiB, arguments 1.0 MiB, outputs 0.5 MiB (aliased 0.0 MiB)",
+      "  3 GEMMs, 0 on float8 operands",
+      "  GEMMs                 count",
+      "  cuBLASLt bf16 x bf16      3",
+      "  convolutions: none",
+  ])
+
+
+def test_compile_for_gpu_without_the_plugin_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(gpu_lib, "_PLUGINS", ("jax_plugins.no_such_plugin",))
+  step, state, batch = _classifier_step()
+  with pytest.raises(RuntimeError, match=r"pip install 'jmp_lite\[gpu\]'"):
+    jmp.compile_for_gpu(step, state, batch)
+
+
+def test_compile_for_gpu_rejects_an_unknown_target():
+  step, state, batch = _classifier_step()
+  with pytest.raises(ValueError, match=r"target must be one of \['h100'\], got 'a100'"):
+    jmp.compile_for_gpu(step, state, batch, target="a100")
+
+
+def test_the_h100_target_ships_inside_the_package():
+  """The wheel packages jmp_lite/ only: the target description must live there."""
+  path = gpu_lib.GPU_TARGETS["h100"]
+  assert path.is_file() and pathlib.Path(jmp.__file__).parent in path.parents
+  assert "cuda_compute_capability { major: 9 minor: 0 }" in path.read_text()  # Hopper, sm_90

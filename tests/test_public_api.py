@@ -28,6 +28,7 @@ DOCUMENTED = {
     "GradientReport", "LeafStats", "LintFinding", "LintFindings", "gradient_report",
     "nonfinite_paths", "precision_lint", "PrecisionReport", "precision_report",
     "memory_ledger", "MemoryLedger", "LedgerRow",
+    "compile_for_gpu", "GpuCompileReport",
 }
 
 

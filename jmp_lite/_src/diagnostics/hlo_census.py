@@ -1,0 +1,199 @@
+"""What an optimised XLA:GPU program runs its matmuls and convolutions with.
+
+:func:`census` reads the text of a compiled HLO module (``compiled.as_text()``)
+and lists every GEMM and every convolution in it, with what runs it and the
+dtypes of its operands:
+
+- a cuBLAS custom call (``__cublas$gemm``: cuBLAS; ``__cublas$lt$matmul``:
+  cuBLASLt; ``__cublas$lt$matmul$f8``: cuBLASLt's FP8 GEMM), whose first two
+  operands are the matrices;
+- a ``dot`` inside a fusion that a GEMM emitter owns (the fusion's
+  ``backend_config`` kind: ``__triton_gemm`` and ``__triton_nested_gemm_fusion``
+  are Triton GEMMs, ``__cudnn$fusion`` is cuDNN), its operands read where the
+  ``dot`` is;
+- any other ``dot`` (XLA's own loop emitter, or an unfused ``dot``);
+- a cuDNN convolution custom call (``__cudnn$conv...``) or an unfused
+  ``convolution``, by the dtype of its input.
+
+It counts instructions in the program, not executions: a GEMM in a loop body
+counts once. Nothing here needs a GPU or a CUDA install: it reads text.
+:func:`instructions` is the parser underneath, for readers of the same text
+(``benchmarks/hlo_census.py`` reads the kernels of the entry computation with it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Iterator
+
+FLOAT8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e3m4", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz")
+CUBLAS = {
+    "__cublas$gemm": "cuBLAS",
+    "__cublas$lt$matmul": "cuBLASLt",
+    "__cublas$lt$matmul$f8": "cuBLASLt FP8",
+}
+FUSION_RUNNERS = {
+    "__triton_gemm": "Triton GEMM",
+    "__triton_nested_gemm_fusion": "Triton GEMM",
+    "__triton_scaled_dot_fusion": "Triton GEMM",
+    "__cudnn$fusion": "cuDNN",
+}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \((.*)\) -> .* \{$")
+_PARAM = re.compile(r"([\w.\-]+): ([a-z0-9]+)\[")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[a-z0-9]+\[[^\]]*\](?:\{[^}]*\})?|[a-z0-9]+\[\]) "
+                          r"([\w\-]+)\((.*)$")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_KIND = re.compile(r'"kind":"([^"]+)"')
+# A dot's lhs contracting dimensions: in the HLO attribute, or in a cuBLAS call's backend_config.
+_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One GEMM or convolution: what runs it, its operand dtypes and its name in the HLO.
+
+  Attributes:
+    runner: ``"cuBLASLt FP8"``, ``"cuBLASLt"``, ``"cuBLAS"``, ``"Triton GEMM"``,
+      ``"cuDNN"``, ``"XLA"`` (a ``dot``/``convolution`` no library runs).
+    lhs: the first operand's element type, as HLO spells it (``bf16``, ``f8e4m3fn``).
+    rhs: the second operand's element type.
+    name: the instruction's name.
+    kind: ``"gemm"`` or ``"conv"``.
+  """
+
+  runner: str
+  lhs: str
+  rhs: str
+  name: str
+  kind: str = "gemm"
+
+  @property
+  def float8(self) -> bool:
+    """Both operands are float8."""
+    return self.lhs in FLOAT8 and self.rhs in FLOAT8
+
+
+@dataclasses.dataclass
+class Instr:
+  """One HLO instruction, as :func:`instructions` reads it."""
+
+  name: str
+  type: str
+  opcode: str
+  operands: list[str]
+  calls: str | None
+  target: str | None
+  kind: str | None
+  computation: str
+  contracting: tuple[int, ...] = ()
+
+
+def _element_type(type_text: str) -> str:
+  """``bf16`` of ``bf16[16,8]{1,0}``; the first element type of a tuple."""
+  match = re.search(r"([a-z0-9]+)\[", type_text)
+  return match.group(1) if match else type_text
+
+
+def instructions(hlo_text: str) -> Iterator[Instr]:
+  """The instructions of an HLO module's text, computation by computation (parameters included)."""
+  computation = ""
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+      for name, dtype in _PARAM.findall(header.group(2)):
+        yield Instr(name, dtype + "[]", "parameter", [], None, None, None, computation)
+      continue
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, type_text, opcode, rest = match.groups()
+    args = rest.split("),", 1)[0] if opcode != "parameter" else ""
+    calls, target, kind = _CALLS.search(rest), _TARGET.search(rest), _KIND.search(rest)
+    dims = _CONTRACTING.search(rest)
+    contracting = tuple(int(d.strip('" ')) for d in (dims.group(1) or dims.group(2) or "").split(",")
+                        if d.strip('" ')) if dims else ()
+    yield Instr(name, type_text, opcode, _OPERANDS.findall(args), calls and calls.group(1),
+                 target and target.group(1), kind and kind.group(1), computation, contracting)
+
+
+def census(hlo_text: str) -> list[Op]:
+  """Every GEMM and convolution of an optimised HLO module, in program order.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of an XLA program (any backend).
+
+  Returns:
+    A list of :class:`Op`.
+
+  Examples:
+    >>> text = '''
+    ... %gemm (p0: f8e4m3fn[16,16], p1: f8e4m3fn[16,16]) -> bf16[16,16] {
+    ...   %p0 = f8e4m3fn[16,16]{1,0} parameter(0)
+    ...   %p1 = f8e4m3fn[16,16]{1,0} parameter(1)
+    ...   ROOT %d = bf16[16,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}
+    ... }
+    ... ENTRY %main (a: f8e4m3fn[16,16], b: bf16[16,16]) -> bf16[16,16] {
+    ...   %a = f8e4m3fn[16,16]{1,0} parameter(0)
+    ...   %b = bf16[16,16]{1,0} parameter(1)
+    ...   %f = bf16[16,16]{1,0} fusion(%a, %a), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+    ...   %c = (bf16[16,16]{1,0}, s8[0]{0}) custom-call(%b, %b), custom_call_target="__cublas$lt$matmul"
+    ...   ROOT %v = bf16[1,16,16,1]{3,2,1,0} custom-call(%b, %b), custom_call_target="__cudnn$convForward"
+    ... }
+    ... '''
+    >>> [(op.runner, op.lhs, op.rhs, op.kind, op.float8) for op in census(text)]
+    [('Triton GEMM', 'f8e4m3fn', 'f8e4m3fn', 'gemm', True), ('cuBLASLt', 'bf16', 'bf16', 'gemm', False), ('cuDNN', 'bf16', 'bf16', 'conv', False)]
+  """
+  instrs = list(instructions(hlo_text))
+  types = {(i.computation, i.name): i.type for i in instrs}
+  caller = {i.calls: i for i in instrs if i.calls}
+
+  def dtype(i: Instr, k: int) -> str:
+    if k >= len(i.operands):
+      return "?"
+    return _element_type(types.get((i.computation, i.operands[k]), "?"))
+
+  def runner_of(computation: str) -> str:
+    seen = set()
+    while computation in caller and computation not in seen:
+      seen.add(computation)
+      fusion = caller[computation]
+      if fusion.kind in FUSION_RUNNERS:
+        return FUSION_RUNNERS[fusion.kind]
+      computation = fusion.computation
+    return "XLA"
+
+  ops = []
+  for i in instrs:
+    if i.opcode == "custom-call" and i.target in CUBLAS:
+      ops.append(Op(CUBLAS[i.target], dtype(i, 0), dtype(i, 1), i.name))
+    elif i.opcode == "custom-call" and i.target and i.target.startswith("__cudnn$conv"):
+      ops.append(Op("cuDNN", dtype(i, 0), dtype(i, 1), i.name, "conv"))
+    elif i.opcode in ("dot", "convolution"):
+      kind = "gemm" if i.opcode == "dot" else "conv"
+      ops.append(Op(runner_of(i.computation), dtype(i, 0), dtype(i, 1), i.name, kind))
+  return ops
+
+
+def summary(ops: list[Op]) -> dict[str, object]:
+  """Counts by ``"runner lhs x rhs"`` for GEMMs and convolutions, and the FP8 share of the GEMMs.
+
+  Examples:
+    >>> ops = [Op("cuBLASLt FP8", "f8e4m3fn", "f8e5m2", "a"), Op("cuBLASLt", "bf16", "bf16", "b")]
+    >>> summary(ops)
+    {'gemms': 2, 'fp8_gemms': 1, 'fp8_fraction': 0.5, 'gemm_kinds': {'cuBLASLt FP8 f8e4m3fn x f8e5m2': 1, 'cuBLASLt bf16 x bf16': 1}, 'convs': 0, 'conv_kinds': {}}
+  """
+  gemms = [op for op in ops if op.kind == "gemm"]
+  convs = [op for op in ops if op.kind == "conv"]
+  fp8 = sum(op.float8 for op in gemms)
+
+  def kinds(group: list[Op]) -> dict[str, int]:
+    return dict(collections.Counter(f"{op.runner} {op.lhs} x {op.rhs}" for op in group))
+
+  return dict(gemms=len(gemms), fp8_gemms=fp8,
+              fp8_fraction=fp8 / len(gemms) if gemms else 0.0,
+              gemm_kinds=kinds(gemms), convs=len(convs), conv_kinds=kinds(convs))
