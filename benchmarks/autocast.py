@@ -82,7 +82,8 @@ def attention(x, p, heads: int, c: Casts):
   b, t, d = x.shape
   x = c.half(x)
   q, k, v = ((x @ p[n]).reshape(b, t, heads, d // heads) for n in ("wq", "wk", "wv"))
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+  # The chain from a matmul to a float32 op (here the softmax's exp) runs in float32.
+  scores = c.full(jnp.einsum("bqhd,bkhd->bhqk", q, k)) / math.sqrt(d // heads)
   scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
   shifted = scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True))
   e = jnp.exp(c.full(shifted))
@@ -92,18 +93,19 @@ def attention(x, p, heads: int, c: Casts):
 
 
 def mlp(x, p, c: Casts):
-  h = c.half(x) @ p["w1"] + p["b1"]
-  return c.half(jax.nn.gelu(c.full(h))) @ p["w2"] + p["b2"]
+  h = c.full(c.half(x) @ p["w1"]) + c.full(p["b1"])  # GELU's x**3 is a float32 op
+  return c.full(c.half(jax.nn.gelu(h)) @ p["w2"]) + c.full(p["b2"])  # the next LayerNorm's too
 
 
 def loss(params, batch, *, heads: int, c: Casts):
   """Mean next-byte cross-entropy of the functional Transformer."""
   tokens = batch["x"]
-  x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+  # The residual stream feeds every LayerNorm's mean: float32, as autocast reaches back.
+  x = c.full(params["embed"])[tokens] + c.full(params["pos"][: tokens.shape[1]])
   for p in params["blocks"]:
     x = x + attention(layer_norm(x, p["ln1_s"], p["ln1_b"], c), p, heads, c)
     x = x + mlp(layer_norm(x, p["ln2_s"], p["ln2_b"], c), p, c)
-  logits = c.half(layer_norm(x, params["ln_s"], params["ln_b"], c)) @ params["out"]
+  logits = c.full(c.half(layer_norm(x, params["ln_s"], params["ln_b"], c)) @ params["out"])
   shifted = logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True))
   logp = c.full(shifted) - jnp.log(jnp.exp(c.full(shifted)).sum(-1, keepdims=True))
   return -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1).mean()

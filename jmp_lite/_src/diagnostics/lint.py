@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.fp8 import recipe as fp8_lib
+from jmp_lite._src.diagnostics import constants
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
 from jmp_lite._src.step import trace as step_trace
@@ -308,12 +310,22 @@ def precision_lint(
                                             multiple of 16
   ``dot_general`` ``conv_general_dilated``  runs in float32 while the   f32
                                             policy computes in half
+  ``constant``                              a literal the half dtype    f16, bf16
+                                            changes (1e-8 to 0, -1e9
+                                            to -inf, 1 - 1e-7 to 1)
   ``loss``                                  the first output is an f16  f16
                                             scalar
   ========================================  ==========================  ===========
 
-  bfloat16 has float32's exponent range, so only the tensor-core alignment
-  rule applies to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in
+  A ``constant`` finding names a literal of the float32 program (``fn``
+  traced on its arguments as given) that the policy's half dtype changes, as
+  ``1e-08 is 0.0 in float16: ... + 1e-08 (model.py:12)``: an eps that
+  flushes to 0, a sentinel that overflows, a clip bound that rounds to 1
+  (:func:`autocast` keeps each in float32). It is not reported with
+  ``autocast=True``, nor where the policy's program writes another constant
+  at that line (a library that picks its sentinel by dtype). bfloat16 has
+  float32's exponent range, so only the alignment and ``constant`` rules
+  apply to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in
   float32 but return f16, which is what the "cast back" rule catches; a
   reduction that stays in float32 (Flax's normalisation statistics) is not
   flagged. Max/min reductions are exact and never flagged. Dimensions of size
@@ -406,6 +418,10 @@ def precision_lint(
   findings = LintFindings()
   ctx = _Context(roots, np.dtype(policy.compute_dtype), step.autocast is not None)
   _lint_jaxpr(jaxpr, ctx, findings, None, provenance.input_labels(jaxpr, traced.roles))
+  if step.autocast is None and ctx.compute in _HALF:  # Constants the half dtype changes.
+    unpoliced = dataclasses.replace(step, policy=None, batch_policy=None)
+    float32 = step_trace.trace(unpoliced, args, model_state).jaxpr
+    findings.extend(LintFinding(*f) for f in constants.changed(float32, jaxpr, ctx.compute, roots))
   out = jaxpr.outvars[0] if jaxpr.outvars else None
   if out is not None and jaxpr_utils.dtype_of(out) == _F16 and out.aval.shape == ():
     producer = next((e for e in jaxpr.eqns if out in e.outvars), None)
