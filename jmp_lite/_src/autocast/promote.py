@@ -363,6 +363,11 @@ _CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broad
 _PASS = frozenset({"convert_element_type", "jit", "closed_call"})
 
 
+def _floating_var(v: Any) -> bool:
+  """A floating variable of a jaxpr (not a literal)."""
+  return not hasattr(v, "val") and jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))
+
+
 def feeding_float32(jaxpr: Any, rule: Callable[[str], str]) -> frozenset[int]:
   """The ids of ``jaxpr``'s promote-list equations whose value a float32-list op reads.
 
@@ -376,16 +381,14 @@ def feeding_float32(jaxpr: Any, rule: Callable[[str], str]) -> frozenset[int]:
   """
   want: set[Any] = set()
   forced: set[int] = set()
-  floating = lambda v: (not hasattr(v, "val")
-                        and jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v)))
   for eqn in reversed(jaxpr.eqns):
     name = eqn.primitive.name
     if rule(name) == "float32":
-      want.update(v for v in eqn.invars if floating(v))
+      want.update(v for v in eqn.invars if _floating_var(v))
     elif (name in _CHAIN or name in _PASS) and any(v in want for v in eqn.outvars):
       if name in _CHAIN:
         forced.add(id(eqn))
-      want.update(v for v in eqn.invars if floating(v))
+      want.update(v for v in eqn.invars if _floating_var(v))
   return frozenset(forced)
 
 
