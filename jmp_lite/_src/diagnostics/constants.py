@@ -6,9 +6,11 @@ before any operation runs, and ``rsqrt(0 + 0.0)`` is inf. ``-1e9`` is
 only the rounded values, so this module reads the float32 program (the
 function traced on its float32 arguments) for its constants, and keeps those
 that the half dtype changes (:func:`autocast_promote.fits`) and that the
-policy's program still holds at the same source line, as written or rounded
-(a library that picks its sentinel by dtype, such as Flax's mask, writes
-another one there and is not named).
+policy's program rounds at the same source line: a half literal there, or one
+that ``jnp.where``/``jnp.clip`` cast to the half operand's dtype. A library
+that picks its sentinel by dtype (Flax's mask) or computes a statistic in
+float32 (Flax's LayerNorm eps) is not named. A ``jnp.where`` whose other
+operand is float32 is named although it stays float32.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from jmp_lite._src.autocast import promote as rules
 _INFIX = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**",
           "rem": "%"}
 _NAMES = {"select_n": "where", "clamp": "clip", "max": "maximum", "min": "minimum"}
+# jnp functions that take a Python scalar as float32 and cast it to their other operand's dtype.
+_CASTING_CALLS = frozenset({"_where", "where", "clip"})
 
 
 def _literals(jaxpr: Any) -> Iterator[tuple[Any, int, Any]]:
@@ -33,6 +37,19 @@ def _literals(jaxpr: Any) -> Iterator[tuple[Any, int, Any]]:
       if hasattr(v, "val") and jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v)):
         if np.ndim(v.val) == 0:
           yield eqn, i, v.val
+
+
+def _rounded_there(eqn: Any, position: int) -> bool:
+  """Whether the policy's program rounds this literal to half: it is half, or jnp casts it.
+
+  ``x + 1e-8`` with a half ``x`` holds ``0.0:f16``; ``jnp.where`` and
+  ``jnp.clip`` take a Python scalar as float32 and cast it to the other
+  operand's dtype inside. A float32 literal elsewhere (a statistic's eps that
+  a library computes in float32, ``jax.random``'s bounds) stays float32.
+  """
+  if jaxpr_utils.dtype_of(eqn.invars[position]) in rules.HALVES:
+    return True
+  return eqn.primitive.name == "jit" and eqn.params.get("name") in _CASTING_CALLS
 
 
 def _text(value: Any) -> str:
@@ -74,8 +91,9 @@ def changed(float32_jaxpr: Any, policy_jaxpr: Any, dtype: np.dtype,
     source)`` per constant and source line, in program order.
   """
   held: dict[Union[str, None], set[float]] = {}
-  for eqn, _, value in _literals(policy_jaxpr):
-    held.setdefault(jaxpr_utils.source_of(eqn, roots), set()).add(float(value))
+  for eqn, position, value in _literals(policy_jaxpr):
+    if _rounded_there(eqn, position):
+      held.setdefault(jaxpr_utils.source_of(eqn, roots), set()).add(float(value))
   found, seen = [], set()
   for eqn, position, value in _literals(float32_jaxpr):
     if rules.fits(value, dtype):
