@@ -93,15 +93,14 @@ def attention(x, p, heads: int, c: Casts):
 
 
 def mlp(x, p, c: Casts):
-  h = c.full(c.half(x) @ p["w1"]) + c.full(p["b1"])  # GELU's x**3 is a float32 op
-  return c.full(c.half(jax.nn.gelu(h)) @ p["w2"]) + c.full(p["b2"])  # the next LayerNorm's too
+  h = c.half(x) @ p["w1"] + p["b1"]
+  return c.half(jax.nn.gelu(c.full(h))) @ p["w2"] + p["b2"]
 
 
 def loss(params, batch, *, heads: int, c: Casts):
   """Mean next-byte cross-entropy of the functional Transformer."""
   tokens = batch["x"]
-  # The residual stream feeds every LayerNorm's mean: float32, as autocast reaches back.
-  x = c.full(params["embed"])[tokens] + c.full(params["pos"][: tokens.shape[1]])
+  x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
   for p in params["blocks"]:
     x = x + attention(layer_norm(x, p["ln1_s"], p["ln1_b"], c), p, heads, c)
     x = x + mlp(layer_norm(x, p["ln2_s"], p["ln2_b"], c), p, c)

@@ -150,6 +150,12 @@ def autocast(
     torch's is. Of float32 data or a constant it is done as written, and so
     is every other convert; a widening convert of a half activation holds it
     exactly in float32 (returned so when the function returns it).
+  * A constant that the half dtype changes (``1e-8`` becomes 0, ``-1e9``
+    ``-inf``, ``1 - 1e-7`` 1), a literal or an array computed from
+    literals (``jnp.where(mask, 0.0, -1e9)``), keeps the operation it meets
+    in float32; and the element-wise chain that only feeds float32-list ops
+    (``logits / 0.01`` before a ``log_softmax``) runs in float32 from the
+    matmul that produced it.
   * ``x * x`` (a ``mul`` of a value by itself) follows ``square``'s list.
   * Integer, bool and PRNG-key values are never touched; float64, float8 and
     complex values are never cast.

@@ -369,26 +369,33 @@ def _floating_var(v: Any) -> bool:
 
 
 def feeding_float32(jaxpr: Any, rule: Callable[[str], str]) -> frozenset[int]:
-  """The ids of ``jaxpr``'s promote-list equations whose value a float32-list op reads.
+  """The ids of ``jaxpr``'s promote-list equations that only feed float32-list ops.
 
   Walking back from each float32-list operation (``rule(name) ==
   "float32"``: exp, log, pow, rsqrt, sums), through the element-wise chain
-  that feeds it, to the half-list operation (a matmul, a convolution) or the
-  argument it starts at: ``logits / 0.01`` before a ``log_softmax``,
-  ``sigmoid(z)`` before a clip and a ``log``, ``x - mean`` before a square.
+  that exists only to feed it, to the half-list operation (a matmul, a
+  convolution) or the argument it starts at: ``logits / 0.01`` before a
+  ``log_softmax``, ``sigmoid(z)`` before a clip and a ``log``, ``h + b``
+  before ``mean(h * h) - mean(h) ** 2``. An equation is in the chain when
+  every reader of its result is a float32-list operation or in the chain
+  (a residual stream that a LayerNorm reads and the next block too is not).
   Those equations compute in float32 (:func:`reach_back`), in a float32
   region that the backward pass recomputes from its half inputs.
   """
-  want: set[Any] = set()
+  readers = jaxpr_utils.consumers(jaxpr)
+  returned = {v for v in jaxpr.outvars if _floating_var(v)}
+  takes: set[int] = set()  # Equations that read their floating inputs in float32.
   forced: set[int] = set()
   for eqn in reversed(jaxpr.eqns):
     name = eqn.primitive.name
     if rule(name) == "float32":
-      want.update(v for v in eqn.invars if _floating_var(v))
-    elif (name in _CHAIN or name in _PASS) and any(v in want for v in eqn.outvars):
+      takes.add(id(eqn))
+    elif (name in _CHAIN or name in _PASS) and eqn.outvars and all(
+        v not in returned and readers.get(v) and all(id(r) in takes for r in readers[v])
+        for v in eqn.outvars):
+      takes.add(id(eqn))
       if name in _CHAIN:
         forced.add(id(eqn))
-      want.update(v for v in eqn.invars if _floating_var(v))
   return frozenset(forced)
 
 
