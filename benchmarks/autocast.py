@@ -82,7 +82,8 @@ def attention(x, p, heads: int, c: Casts):
   b, t, d = x.shape
   x = c.half(x)
   q, k, v = ((x @ p[n]).reshape(b, t, heads, d // heads) for n in ("wq", "wk", "wv"))
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+  # The chain from a matmul to a float32 op (here the softmax's exp) runs in float32.
+  scores = c.full(jnp.einsum("bqhd,bkhd->bhqk", q, k)) / math.sqrt(d // heads)
   scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
   shifted = scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True))
   e = jnp.exp(c.full(shifted))
@@ -103,7 +104,7 @@ def loss(params, batch, *, heads: int, c: Casts):
   for p in params["blocks"]:
     x = x + attention(layer_norm(x, p["ln1_s"], p["ln1_b"], c), p, heads, c)
     x = x + mlp(layer_norm(x, p["ln2_s"], p["ln2_b"], c), p, c)
-  logits = c.half(layer_norm(x, params["ln_s"], params["ln_b"], c)) @ params["out"]
+  logits = c.full(c.half(layer_norm(x, params["ln_s"], params["ln_b"], c)) @ params["out"])
   shifted = logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True))
   logp = c.full(shifted) - jnp.log(jnp.exp(c.full(shifted)).sum(-1, keepdims=True))
   return -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1).mean()

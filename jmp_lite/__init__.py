@@ -16,8 +16,8 @@ from jmp_lite._src.diagnostics.grad_report import GradientReport
 from jmp_lite._src.diagnostics.grad_report import LeafStats
 from jmp_lite._src.diagnostics.grad_report import gradient_report
 from jmp_lite._src.diagnostics.grad_report import nonfinite_paths
-from jmp_lite._src.diagnostics.lint import LintFinding
-from jmp_lite._src.diagnostics.lint import LintFindings
+from jmp_lite._src.diagnostics.findings import LintFinding
+from jmp_lite._src.diagnostics.findings import LintFindings
 from jmp_lite._src.diagnostics.lint import precision_lint
 from jmp_lite._src.diagnostics.memory_ledger import LedgerRow
 from jmp_lite._src.diagnostics.memory_ledger import MemoryLedger

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import jmp_lite as jmp
+from jmp_lite._src.autocast.autocast import step_autocast
 from conftest import assert_bitwise_equal
 from conftest import host
 
@@ -106,7 +107,8 @@ MODELS = {"linen": _linen, "nnx": _nnx, "equinox": _eqx}
 def _by_hand(predict, policy, autocast):
   """The casts of the issue's recipe, written out: what make_eval_step must equal."""
   def run(params, model_state, x):
-    fn = jmp.autocast(predict, policy.compute_dtype) if autocast else predict
+    # The step's autocast: it traces the float32 program and evaluates it on the cast values.
+    fn = step_autocast(predict, policy.compute_dtype, None) if autocast else predict
     out = fn(policy.cast_to_compute(params), model_state, policy.cast_to_compute(x))
     return policy.cast_to_output(out)
 
@@ -132,7 +134,8 @@ def test_evaluates_as_the_step_would_run_the_model(name, autocast):
   first = eval_fn(state.params, state.model_state, X)
   second = eval_fn(state.params, state.model_state, X + 1.0)
   assert len(traces) == 1  # no retrace on the second call
-  assert seen[0] == (jnp.float16, {jnp.dtype(jnp.float32)})  # x cast, the state as stored
+  # x cast (under autocast fn is traced as the float32 program: x as written), the state as stored.
+  assert seen[0] == (jnp.float32 if autocast else jnp.float16, {jnp.dtype(jnp.float32)})
   assert first.dtype == jnp.float32 and first.shape == (4, 3)
   expected = _by_hand(predict, F16, autocast)(state.params, state.model_state, X)
   assert_bitwise_equal(first, expected)

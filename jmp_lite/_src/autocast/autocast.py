@@ -80,14 +80,25 @@ def _as_float32(x: Any) -> Any:
   return x
 
 
-def _trace(fun: Callable[[Any], Any], traced: Any) -> Any:
+def _trace(fun: Callable[[Any], Any], traced: Any, float32_program: bool = False) -> Any:
   """``fun``'s jaxpr with its arguments as given, or (if that fails) as the float32 program.
 
   A function whose half arguments meet float32 values it makes
   (``jax.random.normal`` noise) in an op that needs equal dtypes (Equinox's
   ``Conv2d``) does not trace with half params; it runs in float32, so it is
   traced with its half arguments as float32, and evaluated on the half ones.
+
+  With ``float32_program`` (the step, whose params and batch the policy cast
+  to half), the float32 program is traced first: its constants keep their
+  float32 values (``var + 1e-8`` is not ``var + 0.0``, ``-1e9`` is not
+  ``-inf``) for autocast's constant rule to see.
   """
+  if float32_program and any(interp.value_dtype(x) in interp.HALVES
+                             for x in jax.tree.leaves(traced)):
+    try:
+      return jax.make_jaxpr(fun)(jax.tree.map(_as_float32, traced))
+    except TypeError:  # A program that only traces in half (it checks its dtypes).
+      pass
   try:
     return jax.make_jaxpr(fun)(traced)
   except TypeError as error:
@@ -139,6 +150,12 @@ def autocast(
     torch's is. Of float32 data or a constant it is done as written, and so
     is every other convert; a widening convert of a half activation holds it
     exactly in float32 (returned so when the function returns it).
+  * A constant that the half dtype changes (``1e-8`` becomes 0, ``-1e9``
+    ``-inf``, ``1 - 1e-7`` 1), a literal or an array computed from
+    literals (``jnp.where(mask, 0.0, -1e9)``), keeps the operation it meets
+    in float32; and the element-wise chain that only feeds float32-list ops
+    (``logits / 0.01`` before a ``log_softmax``) runs in float32 from the
+    matmul that produced it.
   * ``x * x`` (a ``mul`` of a value by itself) follows ``square``'s list.
   * Integer, bool and PRNG-key values are never touched; float64, float8 and
     complex values are never cast.
@@ -235,9 +252,14 @@ def step_autocast(fun: Callable[P, T], dtype: DTypeLike,
                   fp8: Union[fp8_lib.Float8Recipe, None]) -> Callable[P, T]:
   """:func:`autocast` as ``make_train_step`` applies it to ``loss_fn(params, ...)``.
 
-  The same transform; only the paths that FP8 keep rules see differ: the
-  first argument's leaves (the params) are named by their paths within it
-  (``Dense_0/kernel``), as the policy's keep rules see them.
+  The same transform, with two differences. The paths that FP8 keep rules
+  see: the first argument's leaves (the params) are named by their paths
+  within it (``Dense_0/kernel``), as the policy's keep rules see them. And
+  ``fun`` is traced as the float32 program the user wrote (the params and
+  batch the policy cast to half traced as float32), then evaluated on the
+  half values: a weight is in half where a matmul reads it, as torch casts
+  it at the op, while every constant keeps the float32 value it was written
+  with.
   """
   cfg = interp._Config(check_dtype(dtype), autocast_lists.AutocastLists(), fp8)
   return _wrap(fun, cfg, params_first=True)
@@ -282,7 +304,7 @@ def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Calla
       out["tree"] = jax.tree.structure(out_traced)
       return out_traced
 
-    closed = _trace(traced_fun, traced)
+    closed = _trace(traced_fun, traced, float32_program=params_first)
     leaves = jax.tree.leaves(traced)
     plan = None
     if cfg.fp8 is not None:  # Which matmuls run in FP8: keep rules, sizes.

@@ -199,11 +199,13 @@ class _Evaluator:
     self.refs: dict[Any, regions.Node] = {}  # Variables that hold a region's node.
     self.casts: dict[Any, Any] = {}
     self.pcasts: dict[Any, Any] = {}
+    self.forced: frozenset[int] = frozenset()
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
           metas: Union[Sequence[Any], None], out_metas: Union[list[Any], None],
           keep: bool = False) -> list[Any]:
     """The outputs of ``jaxpr``: concrete, or (``keep``) as held (region nodes, moves)."""
+    self.forced = rules.feeding_float32(jaxpr, self.cfg.lists.rule)
     for v, x in zip(jaxpr.constvars, consts):
       self.write(v, x, None)
     for v, x, m in zip(jaxpr.invars, args, [None] * len(args) if metas is None else metas):
@@ -337,11 +339,13 @@ class _Evaluator:
     if rule in ("original", "half"):
       return self.bind_as(eqn, ins, floats, rule)
     out_size = rules.size(eqn.outvars[0].aval.shape)
-    ops = [self.operand(ins[i], metas[i]) for i in floats]
+    ops = [self.operand(ins[i], metas[i], name) for i in floats]
     if rule == "float32":
       decision = rules.Decision(F32, None, rules.float32_kind(name, ops, out_size))
     else:
       decision = rules.promote(name, ops, out_size)
+      if id(eqn) in self.forced:  # It feeds a float32-list op: float32 back to the matmul.
+        decision = rules.reach_back(decision)
     if (decision.compute == F32 and name not in _NOT_IN_REGIONS
         and not eqn.primitive.multiple_results):
       return self.pending(eqn, ins, floats, decision)
@@ -355,9 +359,9 @@ class _Evaluator:
     return outs, [decision.meta if jaxpr_utils.is_floating(value_dtype(o)) else None
                   for o in outs]
 
-  def operand(self, x: Any, meta: rules.Meta) -> rules.Operand:
+  def operand(self, x: Any, meta: rules.Meta, name: str = "") -> rules.Operand:
     const = values.constant_of(x) if meta.kind == rules.CONST else None
-    fits = const is None or rules.fits(const, self.cfg.dtype)
+    fits = rules.operand_fits(const, meta, self.cfg.dtype, name)
     return rules.Operand(np.dtype(value_dtype(x)), meta, fits,
                          getattr(x, "virtual", None) is not None)
 

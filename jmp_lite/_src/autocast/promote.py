@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_lite._src import jaxpr_utils
 
 F32 = np.dtype(jnp.float32)
 HALVES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -76,12 +78,16 @@ class Meta(NamedTuple):
       magnitude growing with the number of elements) rather than a
       normalised statistic (a mean, ``rsqrt(var + eps)``, a ``logsumexp``:
       it went through a division, a root or a log).
+    unfit: for a ``CONST`` computed inside the function (``jnp.where(mask,
+      0.0, -1e9)``, a mask times a sentinel), whether a constant it was made
+      from changes value in the half dtype (see :func:`fits`).
   """
 
   kind: str
   info: int
   source: Any = None
   total: bool = False
+  unfit: bool = False
 
 
 _TOKENS = itertools.count()
@@ -99,7 +105,8 @@ class Operand(NamedTuple):
     dtype: its dtype (the half dtype for a virtual value, see
       :mod:`autocast_regions`).
     meta: its :class:`Meta`.
-    fits: for a constant, whether its magnitude survives the half dtype.
+    fits: for a constant, whether its value survives the half dtype
+      (:func:`fits`; a computed constant's :attr:`Meta.unfit`).
     virtual: whether it is a half value still held in float32.
   """
 
@@ -166,7 +173,7 @@ def float32_kind(name: str, ops: Sequence[Operand], out_size: int) -> Meta:
     return Meta(STAT, out_size, fresh(), total=True)
   kind = _f32_kind(ops, out_size)
   if kind == CONST:
-    return Meta(CONST, 1)
+    return Meta(CONST, 1, unfit=any(not o.fits for o in ops))
   return Meta(kind, _info(name, ops, out_size), _source(ops, out_size), _total(name, ops))
 
 
@@ -189,9 +196,16 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
     its dtype, as torch's activation kernels do.
   * With a strong operand the operation runs in float32 (as torch promotes
     tensors).
-  * Else, with an activation, the result is half: constants never widen it
-    (unless arithmetic meets one that overflows or underflows the half dtype:
-    ``log(p + 1e-8)`` in float16), and neither do weak operands. An arithmetic
+  * A constant that changes value in the half dtype (:func:`fits`: ``1e-8``
+    becomes 0, ``1 - 1e-7`` becomes 1, ``-1e9`` becomes ``-inf``), written
+    as a literal or computed from literals (``jnp.where(mask, 0.0, -1e9)``),
+    keeps the operation in float32 with a float32 result, wherever it sits:
+    ``log(p + 1e-8)``, ``clip(p, 1e-7, 1 - 1e-7)``, ``s + bias``,
+    ``jnp.where(mask, s, -1e30) / t``. Only float32's own extremes
+    (``jnp.finfo`` sentinels) in a select, max or min saturate instead (see
+    :func:`saturate`).
+  * Else, with an activation, the result is half: constants never widen it,
+    and neither do weak operands. An arithmetic
     operation with a weak or a virtual operand computes in float32 and holds
     its result as a virtual half value (rounded once, when it leaves its
     float32 region), as torch's fused kernels do, and so does a comparison;
@@ -225,7 +239,7 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
   nonconst = [o for o in ops if o.meta.kind != CONST]
   if not nonconst:
     dtype = _widest([o.dtype for o in ops])
-    return Decision(dtype, None, Meta(CONST, 1))
+    return Decision(dtype, None, Meta(CONST, 1, unfit=any(not o.fits for o in ops)))
   source = _source(ops, out_size)
   acts = [o for o in nonconst if o.dtype in HALVES and o.meta.info >= out_size]
   mine = {o.meta.source for o in acts}
@@ -233,7 +247,7 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
       o.meta.info >= out_size and (o.meta.kind in (DATA, STAT)
                                    or (o.meta.kind == WIDE and o.meta.source not in mine))))]
   unfit = any(o.meta.kind == CONST and not o.fits for o in ops)
-  widen = strong or (unfit and name in ARITHMETIC)  # log(p + 1e-8) in float16
+  widen = strong or unfit  # log(p + 1e-8) in float16, clip(p, 1e-7, 1 - 1e-7)
   store = _widest([o.dtype for o in acts]) if acts and not widen else F32
   if store in HALVES:
     weak = any(o.dtype == F32 for o in nonconst)
@@ -255,11 +269,50 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
 
 
 def fits(value: np.ndarray, dtype: np.dtype) -> bool:
-  """Whether a constant keeps its magnitude in ``dtype`` (zero, inf and NaN do)."""
+  """Whether a constant keeps its value in ``dtype`` (zero, inf and NaN do).
+
+  A constant does not fit if it overflows (``-1e9`` in float16), is
+  subnormal or flushes to 0 (``1e-8`` in float16), or rounds to exactly
+  1 or -1 (``1 - 1e-7`` in float16 and bfloat16): each changes what the
+  program computes (``log(1 - p)`` of a clipped ``p`` is ``-inf``). Other
+  roundings (``0.1``) lose only the half dtype's precision, and fit.
+
+  Examples:
+    >>> f16, bf16 = np.dtype("float16"), np.dtype(jnp.bfloat16)
+    >>> fits(1e-8, f16), fits(1e-8, bf16), fits(1 - 1e-7, bf16), fits(-1e9, f16), fits(0.1, f16)
+    (False, True, False, False, True)
+  """
   v = np.abs(np.asarray(value, np.float64))
   info = jnp.finfo(dtype)
-  ok = (v == 0) | ~np.isfinite(v) | ((v >= float(info.tiny)) & (v <= float(info.max)))
+  with np.errstate(over="ignore"):
+    rounded = np.abs(np.asarray(np.asarray(v, dtype), np.float64))
+  ok = (v == 0) | ~np.isfinite(v) | ((v >= float(info.tiny)) & (v <= float(info.max))
+                                     & ((rounded != 1) | (v == 1)))
   return bool(np.all(ok))
+
+
+def operand_fits(const: Any, meta: Meta, dtype: np.dtype, name: str) -> bool:
+  """Whether a constant operand of ``name`` is one the half dtype holds (:attr:`Operand.fits`).
+
+  A literal fits if :func:`fits` says so, or if it is a float32 sentinel read
+  by an operation that only passes values on (a select, max or min: it
+  saturates); a constant computed in the function (``const`` is ``None``) if
+  none it was made from was unfit.
+  """
+  if const is None:
+    return not meta.unfit
+  return fits(const, dtype) or (name not in ARITHMETIC and sentinel(const))
+
+
+def sentinel(value: np.ndarray) -> bool:
+  """Whether a constant is float32's largest magnitude (``jnp.finfo(jnp.float32).min``/``max``).
+
+  Such a constant means "the largest value" (``jnp.nan_to_num``'s, Flax's
+  attention mask's): in a select, max or min it saturates at the half
+  dtype's largest finite value (:func:`saturate`) and keeps its meaning.
+  """
+  v = np.abs(np.asarray(value, np.float64))
+  return bool(np.all(v >= float(jnp.finfo(jnp.float32).max) / 2))
 
 
 def saturate(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -298,3 +351,62 @@ def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
   return [m if m is None or m.source is None else m._replace(
       source=back[m.source] if m.source in back else new.setdefault(m.source, fresh()))
           for m in metas]
+
+
+# What a float32 region reaches back through, from a float32-list operation to
+# the matmul or convolution (or argument) that produced its input: element-wise
+# promote-list operations, selects, max/min reductions and data movement;
+# converts and inlined calls pass the request on to their inputs.
+_CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broadcast_in_dim",
+                         "reshape", "squeeze", "transpose", "rev", "slice", "dynamic_slice",
+                         "gather", "concatenate", "pad", "copy", "stop_gradient"})
+_PASS = frozenset({"convert_element_type", "jit", "closed_call"})
+
+
+def _floating_var(v: Any) -> bool:
+  """A floating variable of a jaxpr (not a literal)."""
+  return not hasattr(v, "val") and jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))
+
+
+def feeding_float32(jaxpr: Any, rule: Callable[[str], str]) -> frozenset[int]:
+  """The ids of ``jaxpr``'s promote-list equations that only feed float32-list ops.
+
+  Walking back from each float32-list operation (``rule(name) ==
+  "float32"``: exp, log, pow, rsqrt, sums), through the element-wise chain
+  that exists only to feed it, to the half-list operation (a matmul, a
+  convolution) or the argument it starts at: ``logits / 0.01`` before a
+  ``log_softmax``, ``sigmoid(z)`` before a clip and a ``log``, ``h + b``
+  before ``mean(h * h) - mean(h) ** 2``. An equation is in the chain when
+  every reader of its result is a float32-list operation or in the chain
+  (a residual stream that a LayerNorm reads and the next block too is not).
+  Those equations compute in float32 (:func:`reach_back`), in a float32
+  region that the backward pass recomputes from its half inputs.
+  """
+  readers = jaxpr_utils.consumers(jaxpr)
+  returned = {v for v in jaxpr.outvars if _floating_var(v)}
+  takes: set[int] = set()  # Equations that read their floating inputs in float32.
+  forced: set[int] = set()
+  for eqn in reversed(jaxpr.eqns):
+    name = eqn.primitive.name
+    if rule(name) == "float32":
+      takes.add(id(eqn))
+    elif (name in _CHAIN or name in _PASS) and eqn.outvars and all(
+        v not in returned and readers.get(v) and all(id(r) in takes for r in readers[v])
+        for v in eqn.outvars):
+      takes.add(id(eqn))
+      if name in _CHAIN:
+        forced.add(id(eqn))
+  return frozenset(forced)
+
+
+def reach_back(decision: Decision) -> Decision:
+  """A promote decision for an operation that feeds a float32-list one: computed in float32.
+
+  A half result stays half where it leaves the region (it is held in
+  float32 as a virtual half value until then), so the values other
+  operations read, and the memory the backward pass keeps, do not change;
+  the float32-list operation reads the float32 value.
+  """
+  if decision.compute in HALVES:
+    return Decision(F32, decision.virtual or decision.compute, decision.meta)
+  return decision

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
@@ -14,6 +15,10 @@ from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.fp8 import recipe as fp8_lib
 from jmp_lite._src.diagnostics import mixed_dtypes
+from jmp_lite._src.diagnostics import constants
+from jmp_lite._src.diagnostics.findings import PINNED as _PINNED
+from jmp_lite._src.diagnostics.findings import LintFinding
+from jmp_lite._src.diagnostics.findings import LintFindings
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
 from jmp_lite._src.step import trace as step_trace
@@ -32,86 +37,6 @@ _F16_ELEMENTWISE = {
 _SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
                         "convert_element_type"})
 _SCALE_OPS = _SHAPE_OPS | {"div", "mul"}
-_UNKNOWN = "<unknown source>"
-
-
-class LintFinding(NamedTuple):
-  """One risky operation found by :func:`precision_lint`.
-
-  Attributes:
-    op: the primitive (``"dot_general"``, ``"exp"``, ...), ``"softmax/logsumexp"``
-      for an exp followed by a sum, or ``"loss"`` for the output.
-    reason: what is risky and what to do.
-    source: ``"file:line (function)"`` of the user code that emitted it, or
-      ``None`` if unknown.
-  """
-
-  op: str
-  reason: str
-  source: Union[str, None]
-
-  def __str__(self) -> str:
-    return f"{self.source or _UNKNOWN}: {self.op}: {self.reason}"
-
-
-class LintFindings(list[LintFinding]):
-  """The findings of :func:`precision_lint`: a list of :class:`LintFinding`, in program order.
-
-  It is a plain ``list`` (index it, iterate it, compare it with a list); only
-  printing differs: ``str(findings)`` (and ``print``) groups the findings
-  that differ only in their source, the same op for the same reason (a
-  12-layer model's 12 float32 matmuls), into one line with a count and the
-  first few sources (:meth:`summary`).
-  """
-
-  def summary(self, max_sources: int = 3) -> str:
-    """One line per distinct ``(op, reason)``: float32 matmuls first, then in order of first appearance.
-
-    The lines of matmuls and convolutions that run in float32 under a half
-    policy come first, the one that explains the most of them first: a
-    single cause often explains them all.
-
-    A finding seen once prints as ``str(finding)``; one seen ``n`` times as
-    ``"src1, src2, src3 and k more places: op (n times): reason"``, with the
-    distinct sources in program order.
-
-    Args:
-      max_sources: how many distinct sources a line names (at least 1).
-
-    Returns:
-      The lines, joined by newlines (``""`` for no findings).
-
-    Raises:
-      ValueError: if ``max_sources`` is not an int >= 1.
-
-    Examples:
-      >>> findings = LintFindings([LintFinding("exp", "overflows", f"m.py:{i} (f)")
-      ...                          for i in (1, 2, 3, 4, 1)])
-      >>> print(findings.summary(max_sources=2))
-      m.py:1 (f), m.py:2 (f) and 2 more places: exp (5 times): overflows
-      >>> len(findings), findings[1].source
-      (5, 'm.py:2 (f)')
-    """
-    if isinstance(max_sources, bool) or not isinstance(max_sources, int) or max_sources < 1:
-      raise ValueError(f"max_sources must be an int >= 1, got {max_sources!r}")
-    groups: dict[tuple[str, str], list[LintFinding]] = {}
-    for f in self:
-      groups.setdefault((f.op, f.reason), []).append(f)
-    order = sorted(groups.items(), key=lambda g: -len(g[1]) if g[0][1].startswith(_PINNED) else 0)
-    lines = []
-    for (op, reason), members in order:
-      if len(members) == 1:
-        lines.append(str(members[0]))
-        continue
-      sources = list(dict.fromkeys(m.source or _UNKNOWN for m in members))
-      where = ", ".join(sources[:max_sources])
-      if len(sources) > max_sources:
-        where += f" and {len(sources) - max_sources} more places"
-      lines.append(f"{where}: {op} ({len(members)} times): {reason}")
-    return "\n".join(lines)
-
-  def __str__(self) -> str:
-    return self.summary()
 
 
 def _to_f16(eqn: Any) -> bool:
@@ -183,7 +108,6 @@ _FIXES = {
 }
 
 
-_PINNED = "runs in float32"
 # A float32 matmul's finding until its causes are ranked: this prefix, then its causes.
 _PENDING = "\0pinned:"
 
@@ -340,12 +264,22 @@ def precision_lint(
                                             multiple of 16
   ``dot_general`` ``conv_general_dilated``  runs in float32 while the   f32
                                             policy computes in half
+  ``constant``                              a literal the half dtype    f16, bf16
+                                            changes (1e-8 to 0, -1e9
+                                            to -inf, 1 - 1e-7 to 1)
   ``loss``                                  the first output is an f16  f16
                                             scalar
   ========================================  ==========================  ===========
 
-  bfloat16 has float32's exponent range, so only the tensor-core alignment
-  rule applies to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in
+  A ``constant`` finding names a literal of the float32 program (``fn``
+  traced on its arguments as given) that the policy's half dtype changes, as
+  ``1e-08 is 0.0 in float16: ... + 1e-08 (model.py:12)``: an eps that
+  flushes to 0, a sentinel that overflows, a clip bound that rounds to 1
+  (:func:`autocast` keeps each in float32). It is not reported with
+  ``autocast=True``, nor where the policy's program writes another constant
+  at that line (a library that picks its sentinel by dtype). bfloat16 has
+  float32's exponent range, so only the alignment and ``constant`` rules
+  apply to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in
   float32 but return f16, which is what the "cast back" rule catches; a
   reduction that stays in float32 (Flax's normalisation statistics) is not
   flagged. Max/min reductions are exact and never flagged. Dimensions of size
@@ -440,6 +374,10 @@ def precision_lint(
   findings = LintFindings()
   ctx = _Context(roots, np.dtype(policy.compute_dtype), step.autocast is not None)
   _lint_jaxpr(jaxpr, ctx, findings, None, provenance.input_labels(jaxpr, traced.roles))
+  if step.autocast is None and ctx.compute in _HALF:  # Constants the half dtype changes.
+    unpoliced = dataclasses.replace(step, policy=None, batch_policy=None)
+    float32 = step_trace.trace(unpoliced, args, model_state).jaxpr
+    findings.extend(LintFinding(*f) for f in constants.changed(float32, jaxpr, ctx.compute, roots))
   out = jaxpr.outvars[0] if jaxpr.outvars else None
   if out is not None and jaxpr_utils.dtype_of(out) == _F16 and out.aval.shape == ():
     producer = next((e for e in jaxpr.eqns if out in e.outvars), None)
