@@ -66,7 +66,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
   metas, back = rules.canonical(metas)
   # The FP8 decisions under this call site: one helper jitted for many layers is one jaxpr.
   key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas),
-         fp8_plan.signature())
+         fp8_plan.signature(), interp.TAKEN.get())
   per_jaxpr = _JIT_CACHE.setdefault(closed, {}) if _no_tracers(closed) else {}
   hit = per_jaxpr.get(key)
   if hit is None:

@@ -17,6 +17,8 @@ registries extend it without an import of their modules here:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable, Iterable, Sequence, Union
@@ -33,6 +35,12 @@ from jmp_lite._src.autocast import values
 from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 # What the handlers (autocast_control) and half rules (autocast_fp8) read from here.
+from jmp_lite._src.autocast.registry import HALF_RULES as HALF_RULES
+from jmp_lite._src.autocast.registry import HANDLERS as HANDLERS
+from jmp_lite._src.autocast.registry import Handler as Handler
+from jmp_lite._src.autocast.registry import HalfRule as HalfRule
+from jmp_lite._src.autocast.registry import register_half_rule as register_half_rule
+from jmp_lite._src.autocast.registry import register_handler as register_handler
 from jmp_lite._src.autocast.values import ELIGIBLE as ELIGIBLE
 from jmp_lite._src.autocast.values import F32 as F32
 from jmp_lite._src.autocast.values import HALVES as HALVES
@@ -62,78 +70,6 @@ class _Config:
 
 
 # ---------------------------------------------------------------------------
-# Registries: higher-order primitives and per-op half rules.
-
-Handler = Callable[..., Any]
-Guarded = Callable[[Any, list[Any], _Config, list[Any]], tuple[list[Any], list[Any]]]
-HalfRule = Callable[[Any, list[Any], _Config], Union[list[Any], None]]
-
-# Higher-order primitive name -> its handler, given the inputs as values and their metas.
-HANDLERS: dict[str, Guarded] = {}
-# Half-list primitive name -> its rule (see register_half_rule).
-HALF_RULES: dict[str, HalfRule] = {}
-
-_NOT_OWN_MSG = ("a handler for {name!r} needs the name in autocast_lists.OWN_RULES, "
-                "so that no AutocastLists list holds it")
-
-
-def register_handler(name: str, fn: Handler, params: tuple[str, ...], metas: bool = False) -> None:
-  """Makes ``fn`` autocast's rule for the higher-order primitive ``name``.
-
-  ``fn(eqn, ins, cfg)`` returns the outputs. With ``metas``, it is called as
-  ``fn(eqn, ins, cfg, in_metas)`` and returns ``(outs, out_metas)``: what
-  autocast knows of its inputs and outputs (:class:`autocast_promote.Meta`,
-  ``None`` for "only the dtype"). ``params`` are the equation params ``fn``
-  reads: an equation that lacks one (a JAX release that renamed it) runs as
-  traced instead of failing.
-
-  Raises:
-    ValueError: if ``name`` is not in :data:`autocast_lists.OWN_RULES`.
-  """
-  if name not in autocast_lists.OWN_RULES:
-    raise ValueError(_NOT_OWN_MSG.format(name=name))
-
-  def guarded(eqn: Any, ins: list[Any], cfg: _Config, in_metas: list[Any]) -> Any:
-    if not all(k in eqn.params for k in params):
-      outs = bind_original(eqn, ins)
-    elif metas:
-      return fn(eqn, ins, cfg, in_metas)
-    else:
-      outs = fn(eqn, ins, cfg)
-    return outs, [None] * len(outs)
-
-  HANDLERS[name] = guarded
-
-
-def register_half_rule(name: str, rule: HalfRule) -> None:
-  """Runs ``rule(eqn, ins, cfg)`` for each half-list primitive ``name``.
-
-  The interpreter calls it where the primitive would be bound, after casting
-  its floating inputs ``ins`` to ``cfg.dtype``; it returns the outputs, or
-  ``None`` for the ordinary bind. It is not called where the primitive runs
-  in another list or as traced (float64 operands, ``lists`` moved it).
-  Nested jits are interpreted once per config and cached: register rules at
-  import, before autocast runs. A name has one rule: registering replaces
-  the previous one (autocast registers its FP8 rule for ``dot_general``).
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import jmp_lite as jmp
-    >>> seen, previous = [], HALF_RULES.get("dot_general")
-    >>> def note(eqn, ins, cfg):
-    ...   seen.append((eqn.primitive.name, str(ins[0].dtype)))
-    ...   return None  # the ordinary bind
-    >>> register_half_rule("dot_general", note)
-    >>> out = jmp.autocast(lambda a: a @ a, jnp.bfloat16)(jnp.ones((2, 2)))
-    >>> seen, str(out.dtype)
-    ([('dot_general', 'bfloat16')], 'bfloat16')
-    >>> register_half_rule("dot_general", previous)  # autocast's FP8 rule back
-  """
-  HALF_RULES[name] = rule
-
-
-
-# ---------------------------------------------------------------------------
 # The interpreter.
 
 
@@ -156,6 +92,21 @@ def eval_closed(closed: Any, args: Sequence[Any], cfg: _Config,
 
 
 # Data movement deferred until a consumer asks for a dtype (see Moved).
+# The outputs of the nested call being evaluated that its caller reads only in
+# float32 (see rules.feeding_float32): read once, by the call body's evaluator.
+TAKEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "jmp_lite_autocast_taken", default=frozenset())
+
+
+@contextlib.contextmanager
+def _taken(indices: frozenset[int]) -> Any:
+  token = TAKEN.set(indices)
+  try:
+    yield
+  finally:
+    TAKEN.reset(token)
+
+
 _MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose"})
 # The default lists hold first-order primitives only; other names may carry
 # sub-jaxprs typed in the traced dtypes, which must then run as traced.
@@ -200,12 +151,23 @@ class _Evaluator:
     self.casts: dict[Any, Any] = {}
     self.pcasts: dict[Any, Any] = {}
     self.forced: frozenset[int] = frozenset()
+    self.calls: dict[int, frozenset[int]] = {}
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
           metas: Union[Sequence[Any], None], out_metas: Union[list[Any], None],
           keep: bool = False) -> list[Any]:
     """The outputs of ``jaxpr``: concrete, or (``keep``) as held (region nodes, moves)."""
-    self.forced = rules.feeding_float32(jaxpr, self.cfg.lists.rule)
+    # The outputs the caller reads only in float32 (a nested jit's chain goes on there).
+    taken, token = TAKEN.get(), TAKEN.set(frozenset())
+    try:
+      self.forced, self.calls, _ = rules.feeding_float32(jaxpr, self.cfg.lists.rule, taken)
+      return self._run(jaxpr, consts, args, metas, out_metas, keep, taken)
+    finally:
+      TAKEN.reset(token)
+
+  def _run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+           metas: Union[Sequence[Any], None], out_metas: Union[list[Any], None],
+           keep: bool, taken: frozenset[int]) -> list[Any]:
     for v, x in zip(jaxpr.constvars, consts):
       self.write(v, x, None)
     for v, x, m in zip(jaxpr.invars, args, [None] * len(args) if metas is None else metas):
@@ -221,7 +183,11 @@ class _Evaluator:
           table.pop(v, None)
     outs = [self.read(v) for v in jaxpr.outvars]
     asked = [not keep and isinstance(x, regions.Node) and x.asked for x in outs]
-    outs = [x if keep else self.concrete(x, wide) for x, wide in zip(outs, asked)]
+    # Wide where asked in float32 here, or where the caller reads it only in float32
+    # (the chain goes on there: the same value, its meta unchanged).
+    wides = [wide or (not keep and isinstance(x, regions.Node) and i in taken)
+             for i, (x, wide) in enumerate(zip(outs, asked))]
+    outs = [x if keep else self.concrete(x, wide) for x, wide in zip(outs, wides)]
     if out_metas is not None:
       out_metas.extend(self.meta_of(v)._replace(kind=rules.DATA) if wide else self.meta_of(v)
                        for v, wide in zip(jaxpr.outvars, asked))
@@ -312,12 +278,12 @@ class _Evaluator:
       # A jnp function reading a float32 region's value (jnp.take_along_axis in a loss):
       # evaluated in place, so that the region goes on through it.
       closed, written = eqn.params["jaxpr"], list[Any]()
-      with fp8_plan.within(eqn):  # FP8 decisions are per call site.
+      with fp8_plan.within(eqn), _taken(self.calls.get(id(eqn), frozenset())):
         outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written, True)
       return outs, written
     handler = HANDLERS.get(name)
     if handler is not None:
-      with fp8_plan.within(eqn):
+      with fp8_plan.within(eqn), _taken(self.calls.get(id(eqn), frozenset())):
         return handler(eqn, self.handler_ins(eqn, ins, metas), self.cfg, metas)
     if name == "convert_element_type":
       return self.convert(eqn, ins[0], metas[0])

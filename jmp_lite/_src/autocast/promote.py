@@ -356,11 +356,12 @@ def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
 # What a float32 region reaches back through, from a float32-list operation to
 # the matmul or convolution (or argument) that produced its input: element-wise
 # promote-list operations, selects, max/min reductions and data movement;
-# converts and inlined calls pass the request on to their inputs.
+# converts pass the request on to their inputs, and nested calls into their
+# bodies (the outputs a call's caller reads only in float32).
 _CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broadcast_in_dim",
                          "reshape", "squeeze", "transpose", "rev", "slice", "dynamic_slice",
                          "gather", "concatenate", "pad", "copy", "stop_gradient"})
-_PASS = frozenset({"convert_element_type", "jit", "closed_call"})
+_PASS = frozenset({"convert_element_type"})
 
 
 def _floating_var(v: Any) -> bool:
@@ -368,7 +369,15 @@ def _floating_var(v: Any) -> bool:
   return not hasattr(v, "val") and jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))
 
 
-def feeding_float32(jaxpr: Any, rule: Callable[[str], str]) -> frozenset[int]:
+def _body(eqn: Any) -> Any:
+  """The body jaxpr of a nested ``jit`` or call equation."""
+  body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return getattr(body, "jaxpr", body)
+
+
+def feeding_float32(
+    jaxpr: Any, rule: Callable[[str], str], taken: frozenset[int] = frozenset()
+) -> tuple[frozenset[int], dict[int, frozenset[int]], frozenset[int]]:
   """The ids of ``jaxpr``'s promote-list equations that only feed float32-list ops.
 
   Walking back from each float32-list operation (``rule(name) ==
@@ -381,22 +390,42 @@ def feeding_float32(jaxpr: Any, rule: Callable[[str], str]) -> frozenset[int]:
   (a residual stream that a LayerNorm reads and the next block too is not).
   Those equations compute in float32 (:func:`reach_back`), in a float32
   region that the backward pass recomputes from its half inputs.
+
+  A nested ``jit`` or call is no boundary: ``taken`` are the indices of
+  ``jaxpr``'s outputs that the caller reads only in float32 (its chain goes
+  on outside). Returns the chain's equation ids; for each nested call
+  equation, the indices of its outputs read so here (for its body's
+  evaluation); and the indices of ``jaxpr``'s inputs read only in float32
+  (for the caller's chain, which goes on before the call).
   """
   readers = jaxpr_utils.consumers(jaxpr)
-  returned = {v for v in jaxpr.outvars if _floating_var(v)}
-  takes: set[int] = set()  # Equations that read their floating inputs in float32.
+  outside = {v for i, v in enumerate(jaxpr.outvars) if i in taken and _floating_var(v)}
+  returned = {v for v in jaxpr.outvars if _floating_var(v)} - outside
+  reads: set[tuple[int, Any]] = set()  # (equation, variable) read in float32.
   forced: set[int] = set()
+  calls: dict[int, frozenset[int]] = {}
+
+  def taken_var(v: Any) -> bool:
+    return v not in returned and (v in outside or bool(readers.get(v))) and all(
+        (id(r), v) in reads for r in readers.get(v, ()))
+
   for eqn in reversed(jaxpr.eqns):
     name = eqn.primitive.name
     if rule(name) == "float32":
-      takes.add(id(eqn))
-    elif (name in _CHAIN or name in _PASS) and eqn.outvars and all(
-        v not in returned and readers.get(v) and all(id(r) in takes for r in readers[v])
-        for v in eqn.outvars):
-      takes.add(id(eqn))
+      reads.update((id(eqn), v) for v in eqn.invars if not hasattr(v, "val"))
+    elif name in ("jit", "closed_call"):
+      # Its body's chain ends at those outputs and may go on before the call.
+      calls[id(eqn)] = frozenset(i for i, v in enumerate(eqn.outvars) if taken_var(v))
+      if calls[id(eqn)]:
+        inner = feeding_float32(_body(eqn), rule, calls[id(eqn)])[2]
+        reads.update((id(eqn), v) for i, v in enumerate(eqn.invars)
+                     if i in inner and not hasattr(v, "val"))
+    elif name in _CHAIN | _PASS and eqn.outvars and all(taken_var(v) for v in eqn.outvars):
+      reads.update((id(eqn), v) for v in eqn.invars if not hasattr(v, "val"))
       if name in _CHAIN:
         forced.add(id(eqn))
-  return frozenset(forced)
+  inputs = frozenset(i for i, v in enumerate(jaxpr.invars) if _floating_var(v) and taken_var(v))
+  return frozenset(forced), {k: v for k, v in calls.items() if v}, inputs
 
 
 def reach_back(decision: Decision) -> Decision:
