@@ -24,7 +24,7 @@ bfloat16 master weights with stochastic rounding and Adam's moments in 8 bits:
 
 This CNN is small: of its eight leaves only the second convolution's kernel
 (4,608 weights) and the first dense kernel (32,768) reach ``quantize_state``'s
-default ``min_size`` of 4,096, so the other six (1,906 weights) keep float32
+default ``min_size`` of 4,096, so the other six (906 weights) keep float32
 moments. ``jmp.memory_ledger`` of each run's state is in the table.
 
 The other runs keep float32 master weights in a ``jmp.TrainState``; the half copy
@@ -251,7 +251,10 @@ def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  f16 = next((r for r in results if r.mode == "f16"), None)  # a loss-scale panel only with f16
+  fig, axes = plt.subplots(1, 2 if f16 is not None else 1, figsize=(11 if f16 is not None else 6, 4),
+                           squeeze=False)
+  ax1 = axes[0, 0]
   window = max(1, min(per_epoch, len(results[0].losses)))
   kernel = np.ones(window) / window
   for r in results:
@@ -261,8 +264,8 @@ def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
   ax1.set(yscale="log", xlabel="step", ylabel=f"train loss (mean of {window} steps)",
           title="Loss curves on load_digits")
   ax1.legend()
-  f16 = next((r for r in results if r.mode == "f16"), None)
   if f16 is not None:
+    ax2 = axes[0, 1]
     steps = np.arange(len(f16.scales))
     ax2.step(steps, f16.scales, where="post", label="loss scale used")
     bad = ~f16.finite
