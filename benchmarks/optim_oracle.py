@@ -195,6 +195,18 @@ def drift(names: list[str], steps: int, lr: float, seed: int) -> dict[str, dict[
   return out
 
 
+def drift_over_seeds(names: list[str], steps: int, lr: float, seeds: list[int]
+                     ) -> tuple[dict[str, dict[str, float]], list[dict[str, dict[str, float]]]]:
+  """:func:`drift` for each seed: the mean drift and loss (and the largest drift), and each seed's."""
+  each = [drift(names, steps, lr, s) for s in seeds]
+  mean = {n: dict(drift=float(np.mean([e[n]["drift"] for e in each])),
+                  drift_max=max(e[n]["drift"] for e in each),
+                  loss=float(np.mean([e[n]["loss"] for e in each]))) for n in names}
+  if "vs_optax_adamw" in each[0].get("torch_adamw", {}):
+    mean["torch_adamw"]["vs_optax_adamw"] = max(e["torch_adamw"]["vs_optax_adamw"] for e in each)
+  return mean, each
+
+
 def blow_up(names: list[str], steps: int, lr: float, seed: int) -> dict[str, dict[str, float]]:
   """Each optimizer's largest update on the mixed-magnitude probe, and over its side's fp32 Adam."""
   magnitude = np.where(np.arange(256) % 2 == 0, 1.0, 1e-6).astype(np.float32)
@@ -221,7 +233,7 @@ def check_bars(result: dict[str, Any], meaningful: bool) -> list[dict[str, Any]]
   found = []
   for ours, theirs in RIVAL.items():
     d = result["drift"]
-    found.append(bars_lib.bar("optim_oracle", f"{ours} drift / {theirs} drift",
+    found.append(bars_lib.bar("optim_oracle", f"{ours} drift / {theirs} drift (mean over seeds)",
                               d[ours]["drift"] / d[theirs]["drift"], 1.0, meaningful,
                               model="mlp"))
     found.append(bars_lib.bar("optim_oracle", f"{ours}: largest step / fp32 Adam's",
@@ -235,7 +247,8 @@ def markdown(result: dict[str, Any]) -> str:
   c = dict(result["meta"]["args"], steps=result["steps"], probe_steps=result["probe_steps"])
   lines = [report.meta_line(result["meta"]), "",
            f"Drift: a {'-'.join(map(str, SIZES))} tanh MLP, {c['steps']} AdamW steps at lr "
-           f"{c['lr']}, weight decay {WEIGHT_DECAY}; the distance of the final parameters from "
+           f"{c['lr']}, weight decay {WEIGHT_DECAY}, {len(result['drift_by_seed'])} seeds (weights, "
+           "batches; the mean, and the largest in brackets); the distance of the final parameters from "
            "the same side's float32 AdamW over the distance float32 AdamW moved them. Blow-up: "
            f"Adam at lr {c['probe_lr']} on (16, 256) params whose columns see gradients of 1 or "
            f"1e-6, {c['probe_steps']} steps; the largest update over the same side's float32 "
@@ -246,11 +259,16 @@ def markdown(result: dict[str, Any]) -> str:
     d, b = result["drift"].get(name), result["blow_up"].get(name)
     if d is None or b is None:
       continue
-    lines.append(f"| {name} | {what} | {100 * d['drift']:.2f}% | {d['loss']:.5f} | "
+    lines.append(f"| {name} | {what} | {100 * d['drift']:.2f}% ({100 * d['drift_max']:.2f}%) | "
+                 f"{d['loss']:.5f} | "
                  f"{b['over_lr']:.3f} | {b['vs_fp32']:.2f}x |")
+  for ours, theirs in RIVAL.items():
+    ratios = [e[ours]["drift"] / e[theirs]["drift"] for e in result["drift_by_seed"]]
+    lines += ["", f"{ours} drift / {theirs} drift, seed by seed: "
+                  + ", ".join(f"{r:.2f}" for r in ratios)]
   cross = result["drift"].get("torch_adamw", {}).get("vs_optax_adamw")
   if cross is not None:
-    lines += ["", f"torch.optim.AdamW ends {100 * cross:.4f}% (of the distance moved) from "
+    lines += ["", f"torch.optim.AdamW ends at most {100 * cross:.4f}% (of the distance moved) from "
                   "optax.adamw: the two sides solve the same problem."]
   lines += ["", *report.bars_table(result["bars"])]
   return "\n".join(lines) + "\n"
@@ -269,9 +287,12 @@ def build_parser() -> Any:
   p.add_argument("--probe-lr", type=cli.positive_float, default=1e-3,
                  help="Adam learning rate on the probe (default: %(default)s)")
   p.add_argument("--seed", type=int, default=0,
-                 help="seed of the weights, batches and probe noise (default: %(default)s)")
+                 help="first seed of the weights and batches, and the probe's noise "
+                      "(default: %(default)s)")
+  p.add_argument("--seeds", type=cli.positive_int, default=4,
+                 help="MLP runs from seeds --seed, --seed + 1, ... (default: %(default)s)")
   p.add_argument("--out", type=pathlib.Path, help=report.OUT_HELP)
-  p.add_argument("--smoke", action="store_true", help="20 steps each: a quick check")
+  p.add_argument("--smoke", action="store_true", help="20 steps each, one seed: a quick check")
   p.add_argument("--strict", action="store_true", help="exit with status 1 if a bar fails")
   return p
 
@@ -285,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
   jax.config.update("jax_platforms", "cpu")
   steps, probe_steps = (20, 20) if args.smoke else (args.steps, args.probe_steps)
   names = list(OPTIMIZERS)
+  seeds = [args.seed + i for i in range(1 if args.smoke else args.seeds)]
+  mean, each = drift_over_seeds(names, steps, args.lr, seeds)
   result: dict[str, Any] = dict(
-      steps=steps, probe_steps=probe_steps,
-      drift=drift(names, steps, args.lr, args.seed),
+      steps=steps, probe_steps=probe_steps, drift=mean, drift_by_seed=each,
       blow_up=blow_up(names, probe_steps, args.probe_lr, args.seed))
   result["bars"] = check_bars(result, meaningful=not args.smoke)
   meta = report.meta(cli.command(PROG, argv), jax.devices("cpu")[0], args=cli.args_record(args),

@@ -55,3 +55,24 @@ def test_bars_compare_our_drift_with_torchaos_and_our_probe_step_with_1_5():
   bars = optim_oracle.check_bars(result, meaningful=True)
   assert [(b["value"], b["limit"], b["passed"]) for b in bars] == [
       (0.5, 1.0, True), (1.1, 1.5, True), (1.25, 1.0, False), (1.6, 1.5, False)]
+
+
+def test_report_lists_every_optimizer_and_each_seeds_ratio():
+  def drift(i):
+    return {n: {"drift": 0.01 * (k + 1) * (i + 1), "loss": 0.4} for k, n in
+            enumerate(optim_oracle.OPTIMIZERS)}
+
+  each = [drift(0), drift(1)]
+  mean = {n: dict(v, drift_max=each[1][n]["drift"]) for n, v in each[0].items()}
+  result = {"meta": {"device_kind": "cpu", "platform": "cpu", "versions": {"jax": "0"},
+                     "date": "d", "command": "c", "args": {"lr": 3e-3, "probe_lr": 1e-3}},
+            "steps": 500, "probe_steps": 3000, "drift": mean, "drift_by_seed": each,
+            "blow_up": {n: {"over_lr": 1.2, "vs_fp32": 1.0} for n in optim_oracle.OPTIMIZERS}}
+  result["bars"] = optim_oracle.check_bars(result, meaningful=True)
+  text = optim_oracle.markdown(result)
+  for name, (_, what) in optim_oracle.OPTIMIZERS.items():
+    assert f"| {name} | {what} |" in text
+  assert "| jmp_int8 | jmp.quantize_state(optax.adamw, 'int8') | 2.00% (4.00%) |" in text
+  # int8 is the 2nd optimizer, AdamW8bit the 5th: 2/5 at either seed.
+  assert "jmp_int8 drift / torchao_adamw8bit drift, seed by seed: 0.40, 0.40" in text
+  assert "500 AdamW steps" in text and "2 seeds" in text
