@@ -3,6 +3,7 @@
     python examples/train_digits.py                          # about 30 s on a 2-core CPU; writes out/
     python examples/train_digits.py --out examples/results   # regenerate the committed results
     python examples/train_digits.py --smoke                  # a few steps, for CI; writes nothing
+    python examples/train_digits.py --lean-state             # fp32 vs bf16 masters + 8-bit Adam state
 
 The three runs share the data order and the initial weights; only the precision
 changes:
@@ -14,7 +15,19 @@ changes:
 * ``f16``:  policy ``mixed_float16`` and ``jmp.dynamic_loss_scaling(adam)``
   starting at 2**15, the usual default.
 
-Every run keeps float32 master weights in a ``jmp.TrainState``; the half copy
+Two more modes, run by ``--lean-state`` (with ``fp32``, results in
+``digits_lean_state.*``), keep the state lean: policy ``mixed_bfloat16``,
+bfloat16 master weights with stochastic rounding and Adam's moments in 8 bits:
+
+* ``bf16_lean_int8``: ``jmp.quantize_state(optax.adam, "int8")``;
+* ``bf16_lean_float8``: ``jmp.quantize_state(optax.adam, "float8")``.
+
+This CNN is small: of its eight leaves only the second convolution's kernel
+(4,608 weights) and the first dense kernel (32,768) reach ``quantize_state``'s
+default ``min_size`` of 4,096, so the other six (906 weights) keep float32
+moments. ``jmp.memory_ledger`` of each run's state is in the table.
+
+The other runs keep float32 master weights in a ``jmp.TrainState``; the half copy
 exists only inside the jitted ``jmp.make_train_step``. The script prints test
 accuracy, median step time, skipped steps and the final loss scale side by side
 and writes ``digits.png`` (loss curves and the f16 loss-scale trajectory),
@@ -41,8 +54,12 @@ import jmp_lite as jmp
 
 import _common
 
-MODES = ("fp32", "bf16", "f16")
-POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16"}
+MODES = ("fp32", "bf16", "f16")  # run by default
+# mode -> quantize_state's format; these modes keep bf16 stochastic-rounding masters.
+LEAN_STATE = {"bf16_lean_int8": "int8", "bf16_lean_float8": "float8"}
+ALL_MODES = MODES + tuple(LEAN_STATE)
+POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16",
+            "bf16_lean_int8": "mixed_bfloat16", "bf16_lean_float8": "mixed_bfloat16"}
 MASTERS = _common.MASTERS  # --masters: lean master weights
 
 
@@ -99,11 +116,14 @@ class Result:
   scales: np.ndarray  # per step, the scale used for that step
   finite: np.ndarray  # per step, bool
   masters: str = "f32"  # a key of MASTERS
+  bytes_per_param: float = 0.0  # jmp.memory_ledger of the final TrainState
 
 
 def make_tx(mode: str, *, lr: float, init_scale: float, growth_interval: int):
-  """Adam for every mode; wrapped in dynamic loss scaling for f16 only."""
+  """Adam for every mode; 8-bit state for the lean-state modes; dynamic loss scaling for f16."""
   tx = optax.adam(lr)
+  if mode in LEAN_STATE:
+    tx = jmp.quantize_state(tx, LEAN_STATE[mode])
   if mode == "f16":
     tx = jmp.dynamic_loss_scaling(tx, init_scale=init_scale, growth_interval=growth_interval)
   return tx
@@ -129,12 +149,17 @@ def run(
   ``data`` defaults to :func:`load_data` and ``params`` (the initial weights) to
   :func:`init_params`, both from ``seed``; pass them to share them across modes.
   ``masters`` picks the master weights (a key of :data:`MASTERS`; bf16 masters
-  need a stochastic-rounding key, made from ``seed``).
+  need a stochastic-rounding key, made from ``seed``). The lean-state modes
+  (:data:`LEAN_STATE`) always use ``"bf16-stochastic"`` masters.
   """
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if mode not in ALL_MODES:
+    raise ValueError(f"mode must be one of {ALL_MODES}, got {mode!r}")
   if masters not in MASTERS:
     raise ValueError(f"masters must be one of {tuple(MASTERS)}, got {masters!r}")
+  if mode in LEAN_STATE:
+    if masters not in ("f32", "bf16-stochastic"):
+      raise ValueError(f"mode {mode!r} keeps bf16-stochastic masters, got masters={masters!r}")
+    masters = "bf16-stochastic"
   if epochs < 1 or batch < 1:
     raise ValueError(f"epochs and batch must be >= 1, got epochs={epochs!r}, batch={batch!r}")
   data = data if data is not None else load_data(seed)
@@ -191,12 +216,14 @@ def run(
       scales=np.array([m["loss_scale"] for m in metrics], np.float32),
       finite=finite,
       masters=masters,
+      bytes_per_param=jmp.memory_ledger(state).bytes_per_param,
   )
 
 
 def table(results: Sequence[Result]) -> str:
   base = next((r for r in results if r.mode == "fp32"), results[0])
   lean = any(r.masters != "f32" for r in results)  # a masters column only when it varies
+  ledger = any(r.mode in LEAN_STATE for r in results)  # and a bytes column with 8-bit state
   rows = [
       [
           r.mode,
@@ -208,11 +235,13 @@ def table(results: Sequence[Result]) -> str:
           r.skipped,
           f"{r.final_scale:.10g}",
           f"{r.losses[-1]:.4f}",
+          *([f"{r.bytes_per_param:.3f}"] if ledger else []),
       ]
       for r in results
   ]
   headers = ["mode", *(["masters"] if lean else []), "policy", "test acc %", "step ms (median)",
-             "vs fp32", "skipped steps", "final scale", "last loss"]
+             "vs fp32", "skipped steps", "final scale", "last loss",
+             *(["state B/param"] if ledger else [])]
   return _common.markdown_table(headers, rows)
 
 
@@ -222,7 +251,10 @@ def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  f16 = next((r for r in results if r.mode == "f16"), None)  # a loss-scale panel only with f16
+  fig, axes = plt.subplots(1, 2 if f16 is not None else 1, figsize=(11 if f16 is not None else 6, 4),
+                           squeeze=False)
+  ax1 = axes[0, 0]
   window = max(1, min(per_epoch, len(results[0].losses)))
   kernel = np.ones(window) / window
   for r in results:
@@ -232,8 +264,8 @@ def plot(results: Sequence[Result], path: Path, per_epoch: int) -> None:
   ax1.set(yscale="log", xlabel="step", ylabel=f"train loss (mean of {window} steps)",
           title="Loss curves on load_digits")
   ax1.legend()
-  f16 = next((r for r in results if r.mode == "f16"), None)
   if f16 is not None:
+    ax2 = axes[0, 1]
     steps = np.arange(len(f16.scales))
     ax2.step(steps, f16.scales, where="post", label="loss scale used")
     bad = ~f16.finite
@@ -259,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: %(default)s)")
   _common.add_scale_arguments(p)
   _common.add_masters_argument(p, "digits_masters")
+  p.add_argument("--lean-state", action="store_true",
+                 help="run fp32, bf16_lean_int8 and bf16_lean_float8 instead (bf16 stochastic "
+                      "masters + 8-bit Adam state; results go to digits_lean_state.*)")
   _common.add_output_arguments(p, "8 steps per mode, for CI")
   return p
 
@@ -270,6 +305,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if args.epochs < 1 or args.batch < 1:
     p.error(f"--epochs and --batch must be >= 1, got {args.epochs} and {args.batch}")
   args.masters = _common.masters_list(p, args.masters)
+  if args.lean_state and args.masters:
+    p.error("--lean-state and --masters choose different runs; give one of them")
   args.out = _common.output_dir(args.out, args.smoke)
   return args
 
@@ -281,7 +318,10 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   epochs = 1 if args.smoke else args.epochs
   per_epoch = len(data.y_train) // args.batch
   steps = min(per_epoch * epochs, max_steps or per_epoch * epochs)  # run() drops the remainder
-  runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
+  if args.lean_state:
+    runs = [("fp32", "f32")] + [(mode, "bf16-stochastic") for mode in LEAN_STATE]
+  else:
+    runs = [(mode, "f32") for mode in MODES] + [("bf16", m) for m in args.masters]
   print(f"load_digits: {len(data.y_train)} train / {len(data.y_test)} test images; "
         f"{steps} steps of batch {args.batch} per run; runs "
         f"{', '.join(m if w == 'f32' else f'{m}/{w}' for m, w in runs)}; {_common.machine()}",
@@ -305,14 +345,16 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
   for r in results:
     if r.masters != "f32":
       diff = r.accuracy - base
-      print(f"  {r.masters} masters: {diff:+.2f} points vs fp32 "
+      what = f"{r.mode} ({r.bytes_per_param:.3f} B/param)" if r.mode in LEAN_STATE else (
+          f"{r.masters} masters")
+      print(f"  {what}: {diff:+.2f} points vs fp32 "
             f"({'within' if abs(diff) <= 1.0 else 'NOT within'} 1 point)")
 
   out = args.out
   if out is None:
     print("smoke run: no files written (pass --out DIR to write them)")
     return results
-  name = "digits_masters" if args.masters else "digits"
+  name = "digits_lean_state" if args.lean_state else "digits_masters" if args.masters else "digits"
   png = out / f"{name}.png"
   out.mkdir(parents=True, exist_ok=True)
   plot(results, png, per_epoch=per_epoch)

@@ -246,6 +246,47 @@ def test_digits_lean_masters_match_fp32_accuracy(train_digits):
     assert result.masters == masters and result.skipped == 0
 
 
+@pytest.mark.slow
+def test_digits_smoke_lean_state_modes(tmp_path):
+  proc = _run_smoke("train_digits.py", tmp_path, "--no-progress", "--lean-state")
+  assert proc.returncode == 0, f"train_digits.py failed:\n{proc.stdout}\n{proc.stderr}"
+  assert not (tmp_path / "digits.json").exists()  # the default results stay as they are
+  results = json.loads((tmp_path / "digits_lean_state.json").read_text())["results"]
+  assert [(r["mode"], r["masters"]) for r in results] == [
+      ("fp32", "f32"), ("bf16_lean_int8", "bf16-stochastic"), ("bf16_lean_float8", "bf16-stochastic")]
+  assert all(r["skipped"] == 0 for r in results)
+  assert all(abs(r["accuracy"] - results[0]["accuracy"]) <= 3.0 for r in results)
+  # memory_ledger: 12 bytes/param for fp32 Adam; about 4 with bf16 masters and 8-bit moments
+  # (above 4: the six leaves under min_size=4096 keep float32 moments).
+  assert abs(results[0]["bytes_per_param"] - 12.0) < 0.01
+  assert all(4.0 < r["bytes_per_param"] < 4.3 for r in results[1:])
+  assert "| bf16_lean_int8   | bf16-stochastic |" in (tmp_path / "digits_lean_state.md").read_text()
+  assert "bf16_lean_float8 (4.1" in proc.stdout
+
+
+def test_digits_lean_state_matches_fp32_accuracy(train_digits):
+  data = train_digits.load_data(seed=0)
+  params = train_digits.init_params(seed=0)
+  run = lambda mode: train_digits.run(mode, epochs=10, lr=3e-3, seed=0, data=data, params=params,
+                                      progress=False)
+  fp32 = run("fp32").accuracy
+  assert fp32 >= 95.0
+  for mode in train_digits.LEAN_STATE:
+    result = run(mode)
+    assert abs(result.accuracy - fp32) <= 1.0, (mode, result.accuracy, fp32)
+    assert result.masters == "bf16-stochastic" and result.skipped == 0
+    assert 4.0 < result.bytes_per_param < 4.3
+
+
+def test_digits_lean_state_modes_refuse_other_masters(train_digits, capsys):
+  with pytest.raises(ValueError, match="keeps bf16-stochastic masters, got masters='bf16-kahan'"):
+    train_digits.run("bf16_lean_int8", epochs=1, masters="bf16-kahan")
+  with pytest.raises(SystemExit) as exc:
+    train_digits.parse_args(["--lean-state", "--masters", "bf16-kahan"])
+  assert exc.value.code == 2
+  assert "--lean-state and --masters" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script", ["train_digits", "char_lm"])
 def test_masters_flag_rejects_unknown_names(monkeypatch, capsys, script):
   monkeypatch.syspath_prepend(str(EXAMPLES))
