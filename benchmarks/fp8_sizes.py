@@ -304,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 bars=check_bars(rows, min_size, meaningful=not args.smoke))
   stem = report.output_dir(args.out, args.smoke) / f"fp8-sizes-h100-{meta['date']}"
   report.publish(result, stem, markdown(result))
-  for b in result["bars"]:
-    print(report.bar_line(b))
-  failed = any(not b["passed"] and b["meaningful"] for b in result["bars"])
-  return 1 if args.strict and failed else 0
+  return report.bars_status(result["bars"], args.strict)
 
 
 if __name__ == "__main__":

@@ -243,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows=rows, bars=bars)
   stem = report.output_dir(args.out, args.smoke) / f"gpu-compile-{args.target}-{meta['date']}"
   report.publish(result, stem, markdown(result))
-  for b in bars:
-    print(report.bar_line(b))
-  failed = any(not b["passed"] and b["meaningful"] for b in bars)
-  return 1 if args.strict and failed else 0
+  return report.bars_status(bars, args.strict)
 
 
 class CompiledFor:

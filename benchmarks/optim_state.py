@@ -113,12 +113,13 @@ def update_args(variant: str, params: Any) -> tuple[Any, Any, Any]:
   return f32, state, f32
 
 
-def h100_update(variant: str, params: Any, sharding: Any) -> dict[str, int]:
-  """The update compiled for an H100: its temp, argument, output and alias bytes."""
-  compiled = gpu_compile.compile_step(update_fn(variant), update_args(variant, params), sharding, {})
-  m = compiled.memory_analysis()
-  return dict(temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
-              output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes))
+def h100_update(variant: str, params: Any, target: str = "h100") -> dict[str, int]:
+  """The update compiled for an H100 (``jmp.compile_for_gpu``): its temp, argument, output and alias bytes."""
+  import jmp_lite as jmp  # pylint: disable=import-outside-toplevel
+
+  r = jmp.compile_for_gpu(update_fn(variant), *update_args(variant, params), target=target)
+  return dict(temp_bytes=r.temp_bytes, argument_bytes=r.argument_bytes,
+              output_bytes=r.output_bytes, alias_bytes=r.alias_bytes)
 
 
 def materialize(shapes: Any, seed: int) -> Any:
@@ -164,15 +165,15 @@ def model_params(name: str, preset: str) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), problem.params)
 
 
-def measure_model(name: str, preset: str, sharding: Any, repeats: int) -> list[dict[str, Any]]:
+def measure_model(name: str, preset: str, target: str | None, repeats: int) -> list[dict[str, Any]]:
   """One row per variant: persistent, H100 update temp and peak, CPU update time."""
   params = model_params(name, preset)
   times = cpu_times(params, repeats) if name != BIG and repeats else {}
   rows = []
   for variant in VARIANTS:
     row: dict[str, Any] = dict(model=name, variant=variant, **persistent(variant, params))
-    if sharding is not None:
-      row.update(h100_update(variant, params, sharding))
+    if target is not None:
+      row.update(h100_update(variant, params, target))
       row["peak_per_param"] = (row["persistent_bytes"] + 4 * row["params"]
                                + row["temp_bytes"]) / row["params"]
     if times:
@@ -253,26 +254,23 @@ def main(argv: list[str] | None = None) -> int:
   all_models = (*models.DEFAULT_MODELS, BIG)
   names = cli.choose(args.model, (*models.MODELS, BIG), SMOKE_MODELS if args.smoke else all_models,
                      "model")
-  sharding = None
-  if not args.no_gpu_compile and gpu_compile.plugin_missing() is None:
-    sharding = gpu_compile.topology_sharding(gpu_compile.TARGETS["h100"])
+  target = None if args.no_gpu_compile or gpu_compile.plugin_missing() is not None else "h100"
+  if target is not None:  # The GPU topology starts before the CPU is made JAX's only platform.
+    gpu_compile.gpu_lib.topology_sharding(target)
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_platforms", "cpu")
   preset = "smoke" if args.smoke else args.preset
   rows = []
   for name in names:
-    rows += measure_model(name, preset, sharding, 2 if args.smoke else args.repeats)
+    rows += measure_model(name, preset, target, 2 if args.smoke else args.repeats)
   bars = check_bars(rows, meaningful=not args.smoke)
   meta = report.meta(cli.command(PROG, argv), jax.devices("cpu")[0], args=cli.args_record(args),
-                     smoke=args.smoke, compiled_for="h100" if sharding is not None else None)
+                     smoke=args.smoke, compiled_for=target)
   result = dict(meta=meta, rows=rows, bars=bars)
   machine = report.machine_name(jax.devices("cpu")[0])
   stem = report.output_dir(args.out, args.smoke) / f"optim-state-{machine}-{meta['date']}"
   report.publish(result, stem, markdown(result))
-  for b in bars:
-    print(report.bar_line(b))
-  failed = any(not b["passed"] and b["meaningful"] for b in bars)
-  return 1 if args.strict and failed else 0
+  return report.bars_status(bars, args.strict)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,14 @@ def bar_line(b: dict[str, Any]) -> str:
   return f"{bar_status(b)}  {where:<11} {b['what']}: {b['value']:.3f} (limit {b['limit']:.3f})"
 
 
+def bars_status(bars: list[dict[str, Any]], strict: bool) -> int:
+  """Prints each bar's line; the exit status: 1 if ``strict`` and a meaningful bar failed."""
+  for b in bars:
+    print(bar_line(b))
+  failed = any(not b["passed"] and b["meaningful"] for b in bars)
+  return 1 if strict and failed else 0
+
+
 def bars_table(bars: list[dict[str, Any]], where: str = "model") -> list[str]:
   """The Markdown lines of a table of bars; ``where`` names the column of ``b[where]``."""
   lines = [f"| bar | {where} | value | limit | result |", "|---|---|---|---|---|"]
