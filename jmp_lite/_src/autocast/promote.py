@@ -361,7 +361,8 @@ def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
 _CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broadcast_in_dim",
                          "reshape", "squeeze", "transpose", "rev", "slice", "dynamic_slice",
                          "gather", "concatenate", "pad", "copy", "stop_gradient"})
-_PASS = frozenset({"convert_element_type"})
+# A convert passes the request on to its input without computing in float32 itself.
+_FOLLOWED = _CHAIN | {"convert_element_type"}
 
 
 def _floating_var(v: Any) -> bool:
@@ -420,7 +421,7 @@ def feeding_float32(
         inner = feeding_float32(_body(eqn), rule, calls[id(eqn)])[2]
         reads.update((id(eqn), v) for i, v in enumerate(eqn.invars)
                      if i in inner and not hasattr(v, "val"))
-    elif name in _CHAIN | _PASS and eqn.outvars and all(taken_var(v) for v in eqn.outvars):
+    elif name in _FOLLOWED and eqn.outvars and all(taken_var(v) for v in eqn.outvars):
       reads.update((id(eqn), v) for v in eqn.invars if not hasattr(v, "val"))
       if name in _CHAIN:
         forced.add(id(eqn))
