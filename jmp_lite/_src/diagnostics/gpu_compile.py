@@ -16,12 +16,13 @@ and autotuned choices (no autotuning without a GPU).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import os
 import pathlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 
@@ -102,7 +103,29 @@ def compile_placed(fn: Callable[..., Any], args: tuple[Any, ...], target: str = 
   sharding = topology_sharding(target)
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   lowered = jitted.lower(*_placed(args, sharding))
-  return lowered.compile(compiler_options=dict(compiler_options or {}))
+  with _without_persistent_cache():
+    return lowered.compile(compiler_options=dict(compiler_options or {}))
+
+
+@contextlib.contextmanager
+def _without_persistent_cache() -> Iterator[None]:
+  """JAX's persistent compilation cache off, then as it was.
+
+  A deviceless executable is written to the cache but cannot be read back
+  (``PjRtCompiler must be constructed with a Client to call
+  DeserializeLoadedExecutable``): the second compile of the same program,
+  in this process or another that shares the cache, would fail.
+  """
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+
+  was = bool(getattr(jax.config, "jax_enable_compilation_cache"))
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()
 
 
 def _kinds(ops: list[hlo_census.Op]) -> dict[str, int]:
