@@ -200,23 +200,23 @@ def test_the_second_moments_code():
   q = jnp.arange(256, dtype=jnp.float32)
   levels = codes_lib._decode_non_negative(q)
   assert float(levels[0]) == 0.0 and float(levels[255]) == 1.0
-  assert float(levels[1]) < 1e-15
+  assert float(levels[1]) < 1e-14  # the tail reaches far below any v Adam can tell from eps
   assert bool(jnp.all(jnp.diff(levels) > 0))
   assert bool(jnp.all(codes_lib._encode_non_negative(levels) == q))  # Idempotent: no ratchet.
   steps = levels[2:] / levels[1:-1] - 1
   assert float(steps[-1]) < 0.005  # The top of the block, where drift is made.
-  assert float(jnp.max(steps[codes_lib._TOP_FROM - 1:])) < 0.02
+  assert float(jnp.max(steps[codes_lib._TOP_FROM - 1:])) < 0.022
   y = jnp.exp(jax.random.uniform(jax.random.key(0), (100_000,), minval=np.log(1e-9), maxval=0.0))
   decoded = codes_lib._decode_non_negative(codes_lib._encode_non_negative(y))
   tail = y < codes_lib._TOP_FOOT
-  # Rounded up, with a tenth of a code's slack: at most 6% below, down to 1e-6.
-  assert float(jnp.min((decoded / y)[tail & (y > 1e-6)])) >= 0.94
-  assert float(jnp.max(jnp.abs(decoded[~tail] / y[~tail] - 1))) < 0.01
+  # Rounded up, with a tenth of a code's slack: at most 8% below, down to 1e-6.
+  assert float(jnp.min((decoded / y)[tail & (y > 1e-6)])) >= 0.92
+  assert float(jnp.max(jnp.abs(decoded[~tail] / y[~tail] - 1))) < 0.011  # half of 2.1%
   x = jnp.abs(jax.random.normal(jax.random.key(1), (4, 256))) ** 4
   codes, scales = codes_lib.encode(x, "int8", True)
   assert codes.dtype == jnp.uint8 and scales.shape == (4,)
   decoded, seen = codes_lib.decode(codes, scales, "int8", True), x > 1e-12 * jnp.max(x)
-  assert bool(jnp.all(decoded[seen] >= 0.88 * x[seen]))  # never far below, whatever the ratio
+  assert bool(jnp.all(decoded[seen] >= 0.84 * x[seen]))  # never far below, whatever the ratio
   top = x >= codes_lib._TOP_FOOT ** 2 * jnp.max(x, axis=-1, keepdims=True)
   np.testing.assert_allclose(decoded[top], x[top], rtol=0.02)
 

@@ -12,8 +12,8 @@ Three codes: two for signed state, one for non-negative state::
   float8, signed        q = e4m3(x * 448 / a)                       e4m3    a = max |x|
                         x = q * a / 448
   non-negative          y = sqrt(x) / b,  b = max sqrt(x)           uint8   (either format)
-                        y = t (3 + t) / 4,  t = q/255               q >= 64  (y >= y0 = 0.204)
-                        y = y0 (q/64)**8                            q < 64, rounded up
+                        y = q/255                                   q >= 48  (y >= y0 = 0.188)
+                        y = y0 (q/48)**8                            q < 48, rounded up
                         x = (b * y)**2
 
 The signed int8 code is companded (square root), so that small momenta keep
@@ -21,16 +21,16 @@ a few bits of relative precision down to ``a / 127**2``. Non-negative state
 (Adam's second moment ``v``) is coded on ``sqrt(v)``, what the update divides
 by, in two pieces that share the code's 256 values:
 
-- **the top of the block** (``y`` from 0.204 to 1, codes 64 to 255), nearly
-  linear, with steps of 0.49% at the top and 1.7% at its foot. Adam's
-  parameter drift follows this step almost linearly: the block's scale moves
-  every step, so each step's rounding error is new, and ``v``'s moving
-  average adds them up, about ``1 / sqrt(1 - b2**2) = 22x`` one step's error
-  for ``b2 = 0.999``. Powers 3, 2, 1.5 and 1.25 of a code of this kind
-  drifted 3.8%, 2.1%, 1.5% and 1.2% from float32 AdamW on the oracle
-  benchmark's MLP (``v`` coded alone); 3 was this code's first version.
-- **the tail** (codes 1 to 63, ``y`` below 0.204, steps of 13% at its top,
-  20% at 1e-2, 38% at 1e-4, 76% at 1e-6), rounded **up**. A block that mixes
+- **the top of the block** (``y`` from 0.188 to 1, codes 48 to 255), linear,
+  with steps of 0.39% at the top and 2.1% at its foot. Adam's parameter drift
+  follows this step almost linearly: the block's scale moves every step, so
+  each step's rounding error is new, and ``v``'s moving average adds them up,
+  about ``1 / sqrt(1 - b2**2) = 22x`` one step's error for ``b2 = 0.999``.
+  Codes ``(q/255)**p`` with powers 3, 2, 1.5 and 1.25 drifted 3.8%, 2.1%,
+  1.5% and 1.2% from float32 AdamW on the oracle benchmark's MLP (``v``
+  coded alone); 3 was this code's first version.
+- **the tail** (codes 1 to 47, ``y`` below 0.188, steps of 18% at its top,
+  24% at 1e-2, 45% at 1e-4, 100% at 1e-6), rounded **up**. A block that mixes
   gradients of 1 and 1e-6 holds ``sqrt(v)`` from 1 to 1e-6; a code that
   rounds the small ones to zero (torchao's ``AdamW8bit``) or well below
   their value makes the next update divide a fresh momentum by too little, up
@@ -38,11 +38,11 @@ by, in two pieces that share the code's 256 values:
   faded. Rounded to the nearest code, the tail's errors add up in ``v``'s
   moving average like the top's but in coarse steps, and Adam's steps
   reached 1.6x float32's largest. Rounded up, the largest step stays within
-  1.11x float32's at every ratio measured (0.2 to 1e-6). The slack (a value
+  1.10x float32's at every ratio measured (0.2 to 1e-6). The slack (a value
   within a tenth of a code above one keeps that code) matters: rounded
   strictly up, every small fall of the block's scale moved the tail up a
   code, and its ``sqrt(v)`` settled at 2.9x float32's (steps a third of
-  float32's); with the slack, at 1.2-1.4x (``tests/test_quantize_state.py``).
+  float32's); with the slack, at 1.1-1.4x (``tests/test_quantize_state.py``).
 
 The decode is multiplications only, so that XLA:GPU can recompute it in
 both fusions that read the decoded state (the block maximum and the new
@@ -69,10 +69,9 @@ def _safe_inverse(a: jax.Array) -> jax.Array:
 
 
 # The non-negative code (see the module docstring): codes _TOP_FROM..255 are
-# t (3 + t) / 4 with t = q/255; codes 0.._TOP_FROM-1 are _TOP_FOOT (q/_TOP_FROM)**8.
-_TOP_FROM = 64
-_T_FOOT = _TOP_FROM / 255.0
-_TOP_FOOT = _T_FOOT * (0.75 + 0.25 * _T_FOOT)  # 0.204
+# q/255; codes 0.._TOP_FROM-1 are _TOP_FOOT (q/_TOP_FROM)**8.
+_TOP_FROM = 48
+_TOP_FOOT = _TOP_FROM / 255.0  # 0.188
 # The tail rounds up unless a value lies within this fraction of a code above
 # one: see the module docstring for why not 0.
 _CEIL_SLACK = 0.1
@@ -80,7 +79,7 @@ _CEIL_SLACK = 0.1
 
 def _encode_non_negative(y: jax.Array) -> jax.Array:
   """Codes (float32, integral) of ``y = sqrt(v) / max`` in ``[0, 1]``."""
-  top = jnp.round(255.0 * 0.5 * (jnp.sqrt(9.0 + 16.0 * y) - 3.0))
+  top = jnp.round(255.0 * y)
   u = jnp.sqrt(jnp.sqrt(jnp.sqrt(y * (1.0 / _TOP_FOOT))))  # (y / _TOP_FOOT) ** (1/8)
   tail = jnp.clip(jnp.ceil(_TOP_FROM * u - _CEIL_SLACK), 1.0, _TOP_FROM)
   return jnp.where(y >= _TOP_FOOT, top, jnp.where(y > 0, tail, 0.0))
@@ -89,18 +88,21 @@ def _encode_non_negative(y: jax.Array) -> jax.Array:
 def _decode_non_negative(q: jax.Array) -> jax.Array:
   """``y`` in ``[0, 1]`` from :func:`_encode_non_negative`'s codes (float32).
 
-  Multiplications only: the decoded state feeds both the block maximum and
-  the codes of the update's new state, and XLA:GPU recomputes a cheap
-  producer in each of its two fusions but keeps one with ``exp``, ``sqrt`` or
-  ``floor`` in a float32 buffer of the whole leaf (a geometric tail made so
-  needed 2.12-2.66 MB of temp on the benchmark Transformer's update, against
-  optax AdamW's 2.11).
+  Five multiplications and a minimum (the tail's power is below the line
+  under code 48 and above it over), no ``where``: the decoded state feeds
+  both the block maximum and the codes of the update's new state, and XLA:GPU
+  recomputes a producer this cheap in each of its fusions, where it keeps a
+  costlier one in a float32 buffer of the leaf. With ``exp``, ``sqrt``,
+  ``floor`` or a power-of-two bitcast here the benchmark Transformer's update
+  needed 2.12-2.66 MB of temp, against optax AdamW's 2.11; a ``where``
+  between a quadratic top and this tail fused there but not on the CNN's
+  small leaves. (Code 48 rather than 64 for the foot of the line: the
+  benchmark MLP drifted 1.66% rather than 1.94%; at 32 the largest step
+  on a 1 / 1e-2 block grew to 1.24x float32's.)
   """
-  t = q * (1.0 / 255.0)
-  u = q * (1.0 / _TOP_FROM)
-  u2 = u * u
-  u4 = u2 * u2
-  return jnp.where(q >= _TOP_FROM, t * (0.75 + 0.25 * t), _TOP_FOOT * (u4 * u4))
+  q2 = q * q
+  q4 = q2 * q2
+  return jnp.minimum(q * (1.0 / 255.0), (_TOP_FOOT * float(_TOP_FROM) ** -8) * (q4 * q4))
 
 
 def encode(x: jax.Array, fmt: str, non_negative: bool) -> tuple[jax.Array, jax.Array]:
