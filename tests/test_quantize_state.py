@@ -118,9 +118,10 @@ def test_inner_state_is_coded_and_updates_track_float32(inner, fmt):
 # ------------------------------------------------- mixed magnitudes: no blow-up
 
 
-def _largest_adam_step(tx, steps=3000, small=1e-6):
-  """Largest |update| of Adam on (16, 256) params whose columns see gradients of 1 or ``small``.
+def _probe(tx, small=1e-6, steps=3000):
+  """Adam on (16, 256) params whose columns see gradients of 1 or ``small`` (times noise).
 
+  Returns ``tx``'s largest |update| over the run and its final state.
   Thousands of steps: a second moment lost to rounding shows fully only once
   Adam's bias correction has faded (the fresh ``(1 - b2) g**2`` alone then
   gives steps of ``(1 - b1) / sqrt(1 - b2) = 3.16`` learning rates).
@@ -134,9 +135,15 @@ def _largest_adam_step(tx, steps=3000, small=1e-6):
       noise = jax.random.uniform(key, (16, 256), minval=0.5, maxval=1.5)
       u, state = tx.update({"w": magnitude * noise}, state, params)
       return state, jnp.max(jnp.abs(u["w"]))
-    return jax.lax.scan(body, state, jax.random.split(jax.random.key(0), steps))[1]
+    state, largest = jax.lax.scan(body, state, jax.random.split(jax.random.key(0), steps))
+    return jnp.max(largest), state
 
-  return float(jnp.max(run(tx.init(params))))
+  return run(tx.init(params))
+
+
+def _largest_adam_step(tx, steps=3000, small=1e-6):
+  """Largest |update| of ``tx`` on :func:`_probe`'s params."""
+  return float(_probe(tx, small, steps)[0])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -153,20 +160,9 @@ def test_mixed_magnitude_block_does_not_blow_up(fmt, monkeypatch):
 
 
 def _second_moments_after(tx, small, steps=3000):
-  """``sqrt(v)`` of ``tx`` over float32 Adam's for the small columns of the probe above."""
-  params = {"w": jnp.zeros((16, 256))}
-  magnitude = jnp.where(jnp.arange(256) % 2 == 0, 1.0, small)
-  ref = optax.adam(1e-3)
-
-  @jax.jit
-  def run():
-    def body(states, key):
-      grads = {"w": magnitude * jax.random.uniform(key, (16, 256), minval=0.5, maxval=1.5)}
-      return (tx.update(grads, states[0], params)[1], ref.update(grads, states[1], params)[1]), None
-    keys = jax.random.split(jax.random.key(0), steps)
-    return jax.lax.scan(body, (tx.init(params), ref.init(params)), keys)[0]
-
-  state, ref_state = run()
+  """``sqrt(v)`` of ``tx`` over float32 Adam's for :func:`_probe`'s small columns."""
+  state = _probe(tx, small, steps)[1]
+  ref_state = _probe(optax.adam(1e-3), small, steps)[1]
   return jnp.sqrt(state.inner[0].nu["w"].dequantize() / ref_state[0].nu["w"])[:, 1::2]
 
 

@@ -56,8 +56,8 @@ class QuantizedArray:
     shape: the leaf's shape.
     dtype: the leaf's dtype (what decoding returns).
     format: ``"int8"`` or ``"float8"``.
-    non_negative: the leaf is coded as a non-negative quantity (through its
-      square or fourth root).
+    non_negative: the leaf is coded as a non-negative quantity (its square
+      root, in :mod:`jmp_lite._src.optim.codes`'s uint8 code).
     block_size: elements per block.
 
   Examples:
@@ -228,9 +228,11 @@ def quantize_state(
   with ``a`` the block's largest ``|x|``; ``"float8"`` codes it as e4m3 of
   ``x * 448 / a``. Non-negative state (second moments, known by field name:
   ``nu``, ``nu_max``, ``sum_of_squares``, ``v``, ``v_hat``) is coded, in
-  either format, as uint8 ``round(255 (s / b)**(1/3))`` of ``s = sqrt(v)``,
-  which keeps ``v`` from 1 to below 1e-12 in one block: the small ``v`` of
-  rare features do not round to zero and their steps do not blow up.
+  either format, as uint8 of ``y = s / b`` with ``s = sqrt(v)`` and ``b`` the
+  block's largest: linear (``q / 255``) from 0.188 to 1, and below that a
+  tail ``0.188 (q / 48)**8`` rounded up, which keeps ``v`` from 1 to far below
+  1e-12 in one block: the small ``v`` of rare features do not round to zero
+  and their steps do not blow up (see :mod:`jmp_lite._src.optim.codes`).
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
