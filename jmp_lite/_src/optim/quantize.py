@@ -20,6 +20,7 @@ integer leaves (counts) and every other leaf stay as the inner made them.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
@@ -30,13 +31,29 @@ import optax
 from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
+from jmp_lite._src.optim import classify
 from jmp_lite._src.optim import codes as codes_lib
+
+try:  # optax.tree_map_params's stand-in for the params: no public name; degrade to none.
+  from optax.tree_utils._state_utils import _ParamsPlaceholder
+except ImportError:  # pragma: no cover - depends on the optax release.
+  _ParamsPlaceholder = None  # type: ignore[assignment,misc]  # The fallback: no class.
 
 # Names of optax state fields that are never negative (second moments, sums of squares).
 NON_NEGATIVE_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares", "v", "v_hat"})
 
 _FORMAT_MSG = "format must be one of {allowed}, got {value!r}"
-_BLOCK_MSG = "block_size must be a power of two >= 32 (e.g. 256), got {value!r}"
+# A block shares one float32 scale: blocks past 2**16 save nothing (the scales are then
+# 0.006% of the codes) and pad a small leaf to a whole block.
+MAX_BLOCK_SIZE = 2**16
+_BLOCK_MSG = ("block_size must be a power of two >= 32 and <= 65536 (2**16; e.g. 256), "
+              "got {value!r}")
+_TREE_MAP_PARAMS_MSG = (
+    "optax.tree_map_params cannot map quantize_state's state: a coded leaf is a "
+    "jmp.QuantizedArray (codes and one scale per block) where the inner state has a "
+    "parameter-shaped array, so f would run on codes. Map the state itself, for example "
+    "jax.tree.map(f, tx.init(params), is_leaf=lambda x: isinstance(x, jmp.QuantizedArray)), "
+    "or let jax place it: jax.jit(tx.init)(params) with sharded params.")
 _TX_MSG = ("tx must be an optax GradientTransformation (an object with init and update, "
            "such as optax.adamw(1e-3)), got {value!r}")
 
@@ -132,43 +149,29 @@ def quantize(x: jax.Array, fmt: str, non_negative: bool, block_size: int) -> Qua
   return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, non_negative, block_size)
 
 
-def _key_name(key: Any) -> str:
-  for attr in ("name", "key", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _plan(state: Any, params: Any, min_size: int,
-          keep: tuple[Callable[[str, Any], bool], ...]) -> Any:
-  """For each leaf of ``state``: ``None`` (left alone) or whether it is non-negative."""
-  by_path: dict[tuple[str, ...], tuple[str, Any]] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    by_path[tuple(_key_name(k) for k in path)] = (tree_utils.path_str(path), leaf)
-
-  def decide(path: Any, leaf: Any) -> Any:
-    if not tree_utils.is_floating_array(leaf) or leaf.size < min_size:
-      return None
-    names = tuple(_key_name(k) for k in path)
-    for start in range(len(names) + 1):
-      found = by_path.get(names[start:])
-      if found is None or tuple(np.shape(found[1])) != tuple(leaf.shape):
-        continue
-      if any(rule(found[0], found[1]) for rule in keep):
-        return None
-      return any(n in NON_NEGATIVE_FIELDS for n in names[:start])
-    return None
-
-  return jax.tree_util.tree_map_with_path(decide, state)
+def _non_negative(path: Any) -> bool:
+  """Whether a coded leaf takes the non-negative code (until the sign is read per block)."""
+  return any(getattr(k, "name", None) in NON_NEGATIVE_FIELDS for k in path)
 
 
 def _is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedArray)
 
 
+def _unwrapped(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+  """The one array in ``x`` (itself, or in a flax ``Variable``) and how to put one back."""
+  leaves, treedef = jax.tree.flatten(x)
+  return leaves[0], lambda a: treedef.unflatten([a])
+
+
+def _decode(q: QuantizedArray) -> Any:
+  codes, wrap = _unwrapped(q.codes)
+  return wrap(dataclasses.replace(q, codes=codes, scales=_unwrapped(q.scales)[0]).dequantize())
+
+
 def dequantize_tree(tree: Any) -> Any:
   """Every :class:`QuantizedArray` in ``tree`` decoded; other leaves as they are."""
-  return jax.tree.map(lambda x: x.dequantize() if _is_quantized(x) else x, tree,
+  return jax.tree.map(lambda x: _decode(x) if _is_quantized(x) else x, tree,
                       is_leaf=_is_quantized)
 
 
@@ -177,9 +180,35 @@ def _requantize(old: Any, new: Any) -> Any:
   def one(o: Any, n: Any) -> Any:
     if not _is_quantized(o):
       return n
-    return quantize(n.astype(o.dtype), o.format, o.non_negative, o.block_size)
+    x, wrap = _unwrapped(n)
+    q = quantize(x.astype(o.dtype), o.format, o.non_negative, o.block_size)
+    return dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
 
   return jax.tree.map(one, old, new, is_leaf=_is_quantized)
+
+
+def _is_variable(x: Any) -> bool:
+  """Whether ``x`` is a flax NNX ``Variable`` (without importing flax)."""
+  variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)
+  return variable is not None and isinstance(x, variable)
+
+
+def _codes_in_variables(tree: Any) -> Any:
+  """``Variable(QuantizedArray)`` turned into a ``QuantizedArray`` of ``Variable`` codes and scales.
+
+  ``nnx.Optimizer`` wraps each leaf (or ``Variable``) of the state in its own
+  ``OptState`` variable and writes the new state back leaf by leaf: codes
+  and scales must be leaves of their own there, not halves of one variable.
+  """
+  def swap(v: Any) -> Any:
+    inner, treedef = jax.tree.flatten(v, is_leaf=_is_quantized)
+    if len(inner) != 1 or not _is_quantized(inner[0]):
+      return v
+    q = inner[0]
+    return dataclasses.replace(q, codes=treedef.unflatten([q.codes]),
+                               scales=treedef.unflatten([q.scales]))
+
+  return jax.tree.map(lambda x: swap(x) if _is_variable(x) else x, tree, is_leaf=_is_variable)
 
 
 def _check_tx(tx: Any) -> None:
@@ -198,7 +227,7 @@ def _check_format(fmt: Any) -> str:
 
 def _check_block_size(block_size: Any) -> int:
   try:
-    n = checks.integer("block_size", block_size, minimum=32)
+    n = checks.integer("block_size", block_size, minimum=32, maximum=MAX_BLOCK_SIZE)
   except (TypeError, ValueError) as e:
     raise type(e)(_BLOCK_MSG.format(value=block_size)) from e
   if n & (n - 1):
@@ -213,6 +242,7 @@ def quantize_state(
     block_size: int = 256,
     min_size: int = 4096,
     keep: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
+    keep_state: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """Stores ``tx``'s per-parameter state in 8 bits, one float32 scale per block.
 
@@ -277,16 +307,24 @@ def quantize_state(
   block_size = _check_block_size(block_size)
   min_size = checks.integer("min_size", min_size, minimum=0)
   rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep))
+  state_rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep_state))
   inner_tx = optax.with_extra_args_support(tx)
 
   def init(params: optax.Params) -> QuantizedState:
+    if _ParamsPlaceholder is not None and isinstance(params, _ParamsPlaceholder):
+      raise TypeError(_TREE_MAP_PARAMS_MSG)
     state = inner_tx.init(params)
-    plan = _plan(state, params, min_size, rules)
-
-    def one(non_negative: Any, leaf: Any) -> Any:
-      return leaf if non_negative is None else quantize(leaf, fmt, non_negative, block_size)
-
-    return QuantizedState(jax.tree.map(one, plan, state, is_leaf=lambda x: x is None))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    kinds = classify.kinds(inner_tx.init, params, len(flat), "the inner transformation")
+    if keep_state:
+      policy_lib.warn_unmatched(keep_state, [(tree_utils.path_str(p), x) for p, x in flat
+                                             if tree_utils.is_floating_array(x)],
+                                "quantize_state's keep_state", "floating leaf of the inner state",
+                                "nothing in full precision", "floating state leaves")
+    coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
+    leaves = [quantize(x, fmt, _non_negative(p), block_size) if c else x
+              for (p, x), c in zip(flat, coded)]
+    return QuantizedState(_codes_in_variables(treedef.unflatten(leaves)))
 
   def update(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
              **extra_args: Any) -> tuple[optax.Updates, QuantizedState]:
