@@ -51,9 +51,11 @@ _BLOCK_MSG = ("block_size must be a power of two >= 32 and <= 65536 (2**16; e.g.
 _TREE_MAP_PARAMS_MSG = (
     "optax.tree_map_params cannot map quantize_state's state: a coded leaf is a "
     "jmp.QuantizedArray (codes and one scale per block) where the inner state has a "
-    "parameter-shaped array, so f would run on codes. Map the state itself, for example "
-    "jax.tree.map(f, tx.init(params), is_leaf=lambda x: isinstance(x, jmp.QuantizedArray)), "
-    "or let jax place it: jax.jit(tx.init)(params) with sharded params.")
+    "parameter-shaped array, so f would run on codes. For the state's shardings, call tx.init "
+    "on the sharded params (outside jit: the codes and scales of a leaf blocked along its last "
+    "axis take its parameter's sharding) and read jax.tree.map(lambda x: x.sharding, state); "
+    "to map a function over the state, use jax.tree.map(f, state, "
+    "is_leaf=lambda x: isinstance(x, jmp.QuantizedArray)).")
 _TX_MSG = ("tx must be an optax GradientTransformation (an object with init and update, "
            "such as optax.adamw(1e-3)), got {value!r}")
 
@@ -307,7 +309,8 @@ def quantize_state(
   block_size = _check_block_size(block_size)
   min_size = checks.integer("min_size", min_size, minimum=0)
   rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep))
-  state_rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep_state))
+  keep_state = policy_lib.keep_rules(keep_state)
+  state_rules = tuple(policy_lib.compile_rule(r) for r in keep_state)
   inner_tx = optax.with_extra_args_support(tx)
 
   def init(params: optax.Params) -> QuantizedState:
