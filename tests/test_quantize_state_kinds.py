@@ -238,3 +238,26 @@ def test_tree_map_params_is_refused_with_what_to_use():
   with pytest.raises(TypeError, match=r"tree_map_params cannot map quantize_state's state.*"
                                       r"jax.tree.map\(lambda x: x.sharding, state\)"):
     optax.tree_map_params(tx, lambda p: p * 2, state)
+
+
+def test_coding_the_multisteps_accumulator_adds_little_drift():
+  """Distance from the float32 run of ``MultiSteps(adamw, 4)``, as a share of its travel."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  start = {"w1": jax.random.normal(k1, (32, 64)) / 5.7, "w2": jax.random.normal(k2, (64, 32)) / 8}
+  w = jax.random.normal(k3, (32, 32)) / 5.7
+  xs = jax.random.normal(jax.random.key(1), (200, 16, 32))
+  loss = lambda p, x: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - jnp.sin(x @ w)) ** 2)
+
+  def final(tx):
+    def body(carry, x):
+      p, s = carry
+      u, s = tx.update(jax.grad(loss)(p, x), s, p)
+      return (optax.apply_updates(p, u), s), None
+    return jax.lax.scan(body, (start, tx.init(start)), xs)[0][0]
+
+  make = lambda: optax.MultiSteps(optax.adamw(3e-3), 4).gradient_transformation()
+  ref = final(make())
+  dist = lambda a, b: float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)))
+  coded, kept = (dist(final(jmp.quantize_state(make(), "int8", min_size=0, block_size=64, **kw)), ref)
+                 / dist(ref, start) for kw in ({}, dict(keep_state="acc_grads")))
+  assert coded < 0.05 and coded < 1.25 * kept  # measured: 2.07% and 2.06%

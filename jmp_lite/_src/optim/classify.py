@@ -83,8 +83,8 @@ def kinds(init: Callable[[Any], Any], params: Any, n_leaves: int, name: str) -> 
     >>> params = {"w": jnp.ones((2, 3))}
     >>> kinds(optax.adam(1e-3).init, params, 3, "adam")
     ['count', 'moment', 'moment']
-    >>> kinds(optax.contrib.schedule_free_sgd(1.0).init, params, 6, "schedule_free")
-    ['count', 'other', 'other', 'params', 'moment', 'count']
+    >>> kinds(optax.contrib.schedule_free_sgd(1.0).init, params, 5, "schedule_free")  # z: params
+    ['other', 'other', 'count', 'other', 'params']
   """
   traced, spec = filtering.partition(params)
   where = [i for i, x in enumerate(traced) if x is not None]

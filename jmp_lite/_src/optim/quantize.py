@@ -1,8 +1,8 @@
 """``quantize_state``: any optax transformation's per-parameter state in 8 bits.
 
-The wrapper stores the floating leaves of the inner state that belong to one
-parameter (Adam's ``mu`` and ``nu``, lion's ``mu``, a momentum ``trace``, a
-``MultiSteps`` accumulator inside it) as :class:`QuantizedArray` codes with one
+The wrapper stores the moments of the inner state (Adam's ``mu`` and ``nu``,
+lion's ``mu``, a momentum ``trace``, a ``MultiSteps`` accumulator) as
+:class:`QuantizedArray` codes with one
 float32 scale per block of ``block_size`` elements (codes in
 :mod:`jmp_lite._src.optim.codes`). Each update runs in float32 inside the
 caller's jit::
@@ -11,10 +11,11 @@ caller's jit::
   updates, state = inner.update(grads, state, params)
   codes, scales  = encode(state)              # the same leaves, the same codes
 
-A leaf of the inner state is per-parameter when its key path ends with a
-parameter's key path and it has that parameter's shape. Leaves with fewer
-than ``min_size`` elements, leaves whose parameter a ``keep`` rule selects,
-integer leaves (counts) and every other leaf stay as the inner made them.
+What each leaf is (a moment, a copy of the parameters, a count) is read
+from the inner ``init`` program (:mod:`jmp_lite._src.optim.classify`), never
+from field names. Moments with fewer than ``min_size`` elements or selected
+by a ``keep`` or ``keep_state`` rule, and every leaf that is not a moment,
+stay as the inner made them.
 """
 
 from __future__ import annotations
@@ -268,16 +269,27 @@ def quantize_state(
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
-      sgd with momentum, an ``optax.chain`` of them...).
+      sgd with momentum, an ``optax.chain`` of them...). Its ``init`` is
+      traced once with the parameters as inputs: a floating leaf shaped like
+      a parameter whose value does not depend on the parameters' values (a
+      moment) is coded; a leaf that does (schedule_free's ``z``, prodigy's
+      ``params0``: a copy of the parameters) never is; an ``init`` that
+      cannot be traced is refused. A ``UserWarning`` says so when nothing is
+      coded.
     format: ``"int8"`` or ``"float8"``.
-    block_size: elements per block, a power of two >= 32. Blocks run along a
-      leaf's last axis when it is a multiple of ``block_size``, else over the
-      flattened leaf.
+    block_size: elements per block, a power of two from 32 to 2**16. Blocks
+      run along a leaf's last axis when it is a multiple of ``block_size``,
+      else over the flattened leaf.
     min_size: leaves with fewer elements stay as ``tx`` made them.
     keep: rules for parameters whose state stays as ``tx`` made it: a regex
       (``re.search`` on the ``/``-joined parameter path, as
-      :class:`Float8Recipe`'s ``keep``) or a callable ``(path, leaf) -> bool``,
-      or several. Embeddings are the usual case.
+      :class:`Float8Recipe`'s ``keep``) or a callable ``(path: str, leaf) ->
+      bool``, or several. A rule applies to the moments of the same shape
+      whose state path ends like the parameter's path. Embeddings are the
+      usual case.
+    keep_state: rules of the same form on the ``/``-joined path of the inner
+      *state* leaf (``"acc_grads"`` keeps a ``MultiSteps`` accumulator in
+      float32): for what the state cannot show.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -285,11 +297,13 @@ def quantize_state(
 
   Raises:
     TypeError: if ``tx`` is not a transformation, ``format`` not a string,
-      ``block_size`` or ``min_size`` not an int, or a keep rule neither a
-      string nor a callable.
+      ``block_size`` or ``min_size`` not an int, a keep rule neither a
+      string nor a callable of two arguments; at ``init``, if ``tx.init``
+      cannot be traced, or if ``optax.tree_map_params`` calls it (the
+      message says what to use).
     ValueError: for an unknown ``format``, a ``block_size`` that is not a
-      power of two >= 32, a negative ``min_size`` or a keep regex that does
-      not compile.
+      power of two in [32, 2**16], a negative ``min_size`` or a keep regex
+      that does not compile.
 
   Examples:
     >>> import jax.numpy as jnp, optax
