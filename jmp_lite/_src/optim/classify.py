@@ -125,7 +125,7 @@ def _key_name(key: Any) -> str:
 def _owners(names: tuple[str, ...], shape: tuple[int, ...],
             params: list[tuple[tuple[str, ...], str, Any]]) -> list[tuple[str, Any]]:
   """The parameters of ``shape`` whose key paths share the longest suffix with ``names``."""
-  best, found = 0, []
+  best, found = 0, list[tuple[str, Any]]()
   for p_names, p_path, leaf in params:
     if tuple(np.shape(leaf)) != shape:
       continue

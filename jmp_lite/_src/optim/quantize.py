@@ -164,7 +164,7 @@ def _is_quantized(x: Any) -> bool:
 def _unwrapped(x: Any) -> tuple[Any, Callable[[Any], Any]]:
   """The one array in ``x`` (itself, or in a flax ``Variable``) and how to put one back."""
   leaves, treedef = jax.tree.flatten(x)
-  return leaves[0], lambda a: treedef.unflatten([a])
+  return leaves[0], lambda a: jax.tree.unflatten(treedef, [a])
 
 
 def _decode(q: QuantizedArray) -> Any:
@@ -208,8 +208,8 @@ def _codes_in_variables(tree: Any) -> Any:
     if len(inner) != 1 or not _is_quantized(inner[0]):
       return v
     q = inner[0]
-    return dataclasses.replace(q, codes=treedef.unflatten([q.codes]),
-                               scales=treedef.unflatten([q.scales]))
+    return dataclasses.replace(q, codes=jax.tree.unflatten(treedef, [q.codes]),
+                               scales=jax.tree.unflatten(treedef, [q.scales]))
 
   return jax.tree.map(lambda x: swap(x) if _is_variable(x) else x, tree, is_leaf=_is_variable)
 
@@ -341,7 +341,7 @@ def quantize_state(
     coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
     leaves = [quantize(x, fmt, _non_negative(p), block_size) if c else x
               for (p, x), c in zip(flat, coded)]
-    return QuantizedState(_codes_in_variables(treedef.unflatten(leaves)))
+    return QuantizedState(_codes_in_variables(jax.tree.unflatten(treedef, leaves)))
 
   def update(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
              **extra_args: Any) -> tuple[optax.Updates, QuantizedState]:
