@@ -165,7 +165,7 @@ def plan(state: Any, state_kinds: list[str], params: Any, min_size: int,
       small.append(size)
     coded.append(size >= min_size and not selected)
   if not any(coded):
-    warnings.warn(_nothing_coded(state_kinds, small, kept, min_size), UserWarning, stacklevel=4)
+    warnings.warn(_nothing_coded(state_kinds, small, kept, min_size), UserWarning, stacklevel=3)
   return coded
 
 
