@@ -153,7 +153,7 @@ def plan(state: Any, state_kinds: list[str], params: Any, min_size: int,
               for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   coded, small, kept = [], [], 0
   for (path, leaf), kind in zip(flat, state_kinds):
-    if kind != MOMENT:
+    if kind != MOMENT or not tree_utils.is_floating_array(leaf):  # A Python float stays one.
       coded.append(False)
       continue
     size = int(np.prod(np.shape(leaf)))
