@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import re
 import warnings
 from typing import Any, Callable, Iterable, TypeVar, Union
@@ -108,10 +109,24 @@ def compile_rule(rule: KeepRule) -> Callable[[str, Any], bool]:
       raise ValueError(f"keep rule {rule!r} is not a valid regular expression: {e}") from e
     return lambda path, leaf: pattern.search(path) is not None
   if callable(rule):
+    _check_arity(rule)
     return rule
   raise TypeError(
       f"a keep rule must be a regex string or a callable (path, leaf) -> bool, got {rule!r}"
   )
+
+
+def _check_arity(rule: Callable[..., Any]) -> None:
+  """A ``TypeError`` naming ``(path: str, leaf) -> bool`` if ``rule`` cannot take two arguments."""
+  try:
+    signature = inspect.signature(rule)
+  except (TypeError, ValueError):  # A builtin without a signature: checked when it is called.
+    return
+  try:
+    signature.bind("path", None)
+  except TypeError as e:
+    raise TypeError(f"a keep rule callable must take (path: str, leaf) -> bool, two arguments; "
+                    f"{getattr(rule, '__name__', rule)!r} has the signature {signature}") from e
 
 
 def keep_rules(rules: KeepRule | Iterable[KeepRule]) -> tuple[KeepRule, ...]:

@@ -1,8 +1,8 @@
 """``quantize_state``: any optax transformation's per-parameter state in 8 bits.
 
-The wrapper stores the floating leaves of the inner state that belong to one
-parameter (Adam's ``mu`` and ``nu``, lion's ``mu``, a momentum ``trace``, a
-``MultiSteps`` accumulator inside it) as :class:`QuantizedArray` codes with one
+The wrapper stores the moments of the inner state (Adam's ``mu`` and ``nu``,
+lion's ``mu``, a momentum ``trace``, a ``MultiSteps`` accumulator) as
+:class:`QuantizedArray` codes with one
 float32 scale per block of ``block_size`` elements (codes in
 :mod:`jmp_lite._src.optim.codes`). Each update runs in float32 inside the
 caller's jit::
@@ -11,15 +11,17 @@ caller's jit::
   updates, state = inner.update(grads, state, params)
   codes, scales  = encode(state)              # the same leaves, the same codes
 
-A leaf of the inner state is per-parameter when its key path ends with a
-parameter's key path and it has that parameter's shape. Leaves with fewer
-than ``min_size`` elements, leaves whose parameter a ``keep`` rule selects,
-integer leaves (counts) and every other leaf stay as the inner made them.
+What each leaf is (a moment, a copy of the parameters, a count) is read
+from the inner ``init`` program (:mod:`jmp_lite._src.optim.classify`), never
+from field names. Moments with fewer than ``min_size`` elements or selected
+by a ``keep`` or ``keep_state`` rule, and every leaf that is not a moment,
+stay as the inner made them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
@@ -30,13 +32,31 @@ import optax
 from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
+from jmp_lite._src.optim import classify
 from jmp_lite._src.optim import codes as codes_lib
+
+try:  # optax.tree_map_params's stand-in for the params: no public name; degrade to none.
+  from optax.tree_utils._state_utils import _ParamsPlaceholder
+except ImportError:  # pragma: no cover - depends on the optax release.
+  _ParamsPlaceholder = None  # type: ignore[assignment,misc]  # The fallback: no class.
 
 # Names of optax state fields that are never negative (second moments, sums of squares).
 NON_NEGATIVE_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares", "v", "v_hat"})
 
 _FORMAT_MSG = "format must be one of {allowed}, got {value!r}"
-_BLOCK_MSG = "block_size must be a power of two >= 32 (e.g. 256), got {value!r}"
+# A block shares one float32 scale: blocks past 2**16 save nothing (the scales are then
+# 0.006% of the codes) and pad a small leaf to a whole block.
+MAX_BLOCK_SIZE = 2**16
+_BLOCK_MSG = ("block_size must be a power of two >= 32 and <= 65536 (2**16; e.g. 256), "
+              "got {value!r}")
+_TREE_MAP_PARAMS_MSG = (
+    "optax.tree_map_params cannot map quantize_state's state: a coded leaf is a "
+    "jmp.QuantizedArray (codes and one scale per block) where the inner state has a "
+    "parameter-shaped array, so f would run on codes. For the state's shardings, call tx.init "
+    "on the sharded params (outside jit: the codes and scales of a leaf blocked along its last "
+    "axis take its parameter's sharding) and read jax.tree.map(lambda x: x.sharding, state); "
+    "to map a function over the state, use jax.tree.map(f, state, "
+    "is_leaf=lambda x: isinstance(x, jmp.QuantizedArray)).")
 _TX_MSG = ("tx must be an optax GradientTransformation (an object with init and update, "
            "such as optax.adamw(1e-3)), got {value!r}")
 
@@ -132,43 +152,29 @@ def quantize(x: jax.Array, fmt: str, non_negative: bool, block_size: int) -> Qua
   return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, non_negative, block_size)
 
 
-def _key_name(key: Any) -> str:
-  for attr in ("name", "key", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _plan(state: Any, params: Any, min_size: int,
-          keep: tuple[Callable[[str, Any], bool], ...]) -> Any:
-  """For each leaf of ``state``: ``None`` (left alone) or whether it is non-negative."""
-  by_path: dict[tuple[str, ...], tuple[str, Any]] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    by_path[tuple(_key_name(k) for k in path)] = (tree_utils.path_str(path), leaf)
-
-  def decide(path: Any, leaf: Any) -> Any:
-    if not tree_utils.is_floating_array(leaf) or leaf.size < min_size:
-      return None
-    names = tuple(_key_name(k) for k in path)
-    for start in range(len(names) + 1):
-      found = by_path.get(names[start:])
-      if found is None or tuple(np.shape(found[1])) != tuple(leaf.shape):
-        continue
-      if any(rule(found[0], found[1]) for rule in keep):
-        return None
-      return any(n in NON_NEGATIVE_FIELDS for n in names[:start])
-    return None
-
-  return jax.tree_util.tree_map_with_path(decide, state)
+def _non_negative(path: Any) -> bool:
+  """Whether a coded leaf takes the non-negative code (until the sign is read per block)."""
+  return any(getattr(k, "name", None) in NON_NEGATIVE_FIELDS for k in path)
 
 
 def _is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedArray)
 
 
+def _unwrapped(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+  """The one array in ``x`` (itself, or in a flax ``Variable``) and how to put one back."""
+  leaves, treedef = jax.tree.flatten(x)
+  return leaves[0], lambda a: jax.tree.unflatten(treedef, [a])
+
+
+def _decode(q: QuantizedArray) -> Any:
+  codes, wrap = _unwrapped(q.codes)
+  return wrap(dataclasses.replace(q, codes=codes, scales=_unwrapped(q.scales)[0]).dequantize())
+
+
 def dequantize_tree(tree: Any) -> Any:
   """Every :class:`QuantizedArray` in ``tree`` decoded; other leaves as they are."""
-  return jax.tree.map(lambda x: x.dequantize() if _is_quantized(x) else x, tree,
+  return jax.tree.map(lambda x: _decode(x) if _is_quantized(x) else x, tree,
                       is_leaf=_is_quantized)
 
 
@@ -177,9 +183,35 @@ def _requantize(old: Any, new: Any) -> Any:
   def one(o: Any, n: Any) -> Any:
     if not _is_quantized(o):
       return n
-    return quantize(n.astype(o.dtype), o.format, o.non_negative, o.block_size)
+    x, wrap = _unwrapped(n)
+    q = quantize(x.astype(o.dtype), o.format, o.non_negative, o.block_size)
+    return dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
 
   return jax.tree.map(one, old, new, is_leaf=_is_quantized)
+
+
+def _is_variable(x: Any) -> bool:
+  """Whether ``x`` is a flax NNX ``Variable`` (without importing flax)."""
+  variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)
+  return variable is not None and isinstance(x, variable)
+
+
+def _codes_in_variables(tree: Any) -> Any:
+  """``Variable(QuantizedArray)`` turned into a ``QuantizedArray`` of ``Variable`` codes and scales.
+
+  ``nnx.Optimizer`` wraps each leaf (or ``Variable``) of the state in its own
+  ``OptState`` variable and writes the new state back leaf by leaf: codes
+  and scales must be leaves of their own there, not halves of one variable.
+  """
+  def swap(v: Any) -> Any:
+    inner, treedef = jax.tree.flatten(v, is_leaf=_is_quantized)
+    if len(inner) != 1 or not _is_quantized(inner[0]):
+      return v
+    q = inner[0]
+    return dataclasses.replace(q, codes=jax.tree.unflatten(treedef, [q.codes]),
+                               scales=jax.tree.unflatten(treedef, [q.scales]))
+
+  return jax.tree.map(lambda x: swap(x) if _is_variable(x) else x, tree, is_leaf=_is_variable)
 
 
 def _check_tx(tx: Any) -> None:
@@ -198,7 +230,7 @@ def _check_format(fmt: Any) -> str:
 
 def _check_block_size(block_size: Any) -> int:
   try:
-    n = checks.integer("block_size", block_size, minimum=32)
+    n = checks.integer("block_size", block_size, minimum=32, maximum=MAX_BLOCK_SIZE)
   except (TypeError, ValueError) as e:
     raise type(e)(_BLOCK_MSG.format(value=block_size)) from e
   if n & (n - 1):
@@ -213,6 +245,7 @@ def quantize_state(
     block_size: int = 256,
     min_size: int = 4096,
     keep: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
+    keep_state: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """Stores ``tx``'s per-parameter state in 8 bits, one float32 scale per block.
 
@@ -236,16 +269,27 @@ def quantize_state(
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
-      sgd with momentum, an ``optax.chain`` of them...).
+      sgd with momentum, an ``optax.chain`` of them...). Its ``init`` is
+      traced once with the parameters as inputs: a floating leaf shaped like
+      a parameter whose value does not depend on the parameters' values (a
+      moment) is coded; a leaf that does (schedule_free's ``z``, prodigy's
+      ``params0``: a copy of the parameters) never is; an ``init`` that
+      cannot be traced is refused. A ``UserWarning`` says so when nothing is
+      coded.
     format: ``"int8"`` or ``"float8"``.
-    block_size: elements per block, a power of two >= 32. Blocks run along a
-      leaf's last axis when it is a multiple of ``block_size``, else over the
-      flattened leaf.
+    block_size: elements per block, a power of two from 32 to 2**16. Blocks
+      run along a leaf's last axis when it is a multiple of ``block_size``,
+      else over the flattened leaf.
     min_size: leaves with fewer elements stay as ``tx`` made them.
     keep: rules for parameters whose state stays as ``tx`` made it: a regex
       (``re.search`` on the ``/``-joined parameter path, as
-      :class:`Float8Recipe`'s ``keep``) or a callable ``(path, leaf) -> bool``,
-      or several. Embeddings are the usual case.
+      :class:`Float8Recipe`'s ``keep``) or a callable ``(path: str, leaf) ->
+      bool``, or several. A rule applies to the moments of the same shape
+      whose state path ends like the parameter's path. Embeddings are the
+      usual case.
+    keep_state: rules of the same form on the ``/``-joined path of the inner
+      *state* leaf (``"acc_grads"`` keeps a ``MultiSteps`` accumulator in
+      float32): for what the state cannot show.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -253,11 +297,13 @@ def quantize_state(
 
   Raises:
     TypeError: if ``tx`` is not a transformation, ``format`` not a string,
-      ``block_size`` or ``min_size`` not an int, or a keep rule neither a
-      string nor a callable.
+      ``block_size`` or ``min_size`` not an int, a keep rule neither a
+      string nor a callable of two arguments; at ``init``, if ``tx.init``
+      cannot be traced, or if ``optax.tree_map_params`` calls it (the
+      message says what to use).
     ValueError: for an unknown ``format``, a ``block_size`` that is not a
-      power of two >= 32, a negative ``min_size`` or a keep regex that does
-      not compile.
+      power of two in [32, 2**16], a negative ``min_size`` or a keep regex
+      that does not compile.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -277,16 +323,25 @@ def quantize_state(
   block_size = _check_block_size(block_size)
   min_size = checks.integer("min_size", min_size, minimum=0)
   rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep))
+  keep_state = policy_lib.keep_rules(keep_state)
+  state_rules = tuple(policy_lib.compile_rule(r) for r in keep_state)
   inner_tx = optax.with_extra_args_support(tx)
 
   def init(params: optax.Params) -> QuantizedState:
+    if _ParamsPlaceholder is not None and isinstance(params, _ParamsPlaceholder):
+      raise TypeError(_TREE_MAP_PARAMS_MSG)
     state = inner_tx.init(params)
-    plan = _plan(state, params, min_size, rules)
-
-    def one(non_negative: Any, leaf: Any) -> Any:
-      return leaf if non_negative is None else quantize(leaf, fmt, non_negative, block_size)
-
-    return QuantizedState(jax.tree.map(one, plan, state, is_leaf=lambda x: x is None))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    kinds = classify.kinds(inner_tx.init, params, len(flat), "the inner transformation")
+    if keep_state:
+      policy_lib.warn_unmatched(keep_state, [(tree_utils.path_str(p), x) for p, x in flat
+                                             if tree_utils.is_floating_array(x)],
+                                "quantize_state's keep_state", "floating leaf of the inner state",
+                                "nothing in full precision", "floating state leaves")
+    coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
+    leaves = [quantize(x, fmt, _non_negative(p), block_size) if c else x
+              for (p, x), c in zip(flat, coded)]
+    return QuantizedState(_codes_in_variables(jax.tree.unflatten(treedef, leaves)))
 
   def update(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
              **extra_args: Any) -> tuple[optax.Updates, QuantizedState]:
