@@ -193,7 +193,7 @@ def _eqn_findings(
   if name in _F16_ELEMENTWISE and in_dtype == _F16:
     return [(name, _F16_ELEMENTWISE[name])]
   if name in _REDUCTIONS:
-    reason = _reduction(eqn, in_dtype, readers, ctx)
+    reason = _reduction(eqn, in_dtype, readers, producers, ctx)
     return [(name, reason)] if reason else []
   if name in ("dot_general", "conv_general_dilated"):
     dtype = precision_report.matmul_dtype(eqn, producers)
@@ -214,13 +214,29 @@ def _softmax(eqn: Any, readers: Any, explained: set[int]) -> bool:
   return bool(sums)
 
 
-def _reduction(eqn: Any, in_dtype: Any, readers: Any, ctx: _Context) -> Union[str, None]:
+def _widened_f16(var: Any, producers: Any) -> bool:
+  """Whether ``var`` is float16 data widened for the reduction (``jnp.sum`` of float16)."""
+  for _ in range(8):
+    eqn = producers.get(var)
+    if eqn is None or eqn.primitive.name not in _SHAPE_OPS:
+      return False
+    if jaxpr_utils.dtype_of(eqn.invars[0]) == _F16:
+      return True
+    var = eqn.invars[0]
+  return False
+
+
+def _reduction(
+    eqn: Any, in_dtype: Any, readers: Any, producers: Any, ctx: _Context
+) -> Union[str, None]:
   name = eqn.primitive.name
   if in_dtype == _F16:
     return f"{name} accumulates in float16 (max 65504, 11-bit precision)"
   # Under autocast a float32 -> float16 convert of a computed value is kept wide;
-  # the converts left are autocast's own casts of half-list (matmul) inputs.
-  if not ctx.autocast and jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16):
+  # the converts left are autocast's own casts of half-list (matmul) inputs. A
+  # sum of float32 data (a softmax of float32 logits) is not float16 data's.
+  if (not ctx.autocast and _widened_f16(eqn.invars[0], producers)
+      and jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16)):
     return (f"{name} of float16 data returns float16 (max 65504): "
             "reduce a float32 copy and keep the result in float32")
   return None
