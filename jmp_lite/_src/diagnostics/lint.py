@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from jmp_lite._src import jaxpr_utils
@@ -21,6 +22,7 @@ from jmp_lite._src.diagnostics.findings import LintFinding
 from jmp_lite._src.diagnostics.findings import LintFindings
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
+from jmp_lite._src.step import half_share
 from jmp_lite._src.step import trace as step_trace
 
 _F16 = np.dtype(jnp.float16)
@@ -401,3 +403,27 @@ def precision_lint(
         "loss", "the loss is float16: cast it to float32 before reducing or scaling it",
         jaxpr_utils.source_of(producer, roots)))
   return _rank_causes(findings, ctx.compute)
+
+
+def _step_cause(
+    loss_fn: Callable[..., Any], policy: policy_lib.Policy, params: Any, model_state: Any,
+    batch: Any, options: Any,
+) -> Union[str, None]:
+  """Why a step's matmuls run in float32, as its lint's most frequent float32 matmul says.
+
+  The step's :class:`NothingInHalfWarning` names it (:mod:`half_share`);
+  ``loss_fn`` is linted on the shapes of the step's arguments.
+  """
+  def shapes(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, tree)
+
+  found = precision_lint(loss_fn, shapes(params), shapes(batch), policy=policy,
+                         model_state=shapes(model_state), **options)
+  pinned = [f.reason for f in found if f.reason.startswith(_PINNED)]
+  if not pinned:
+    return None
+  return collections.Counter(pinned).most_common(1)[0][0].split(": ", 1)[1]
+
+
+half_share.register_explainer(_step_cause)
