@@ -42,6 +42,7 @@ from jmp_lite._src.diagnostics.precision_report import precision_report
 from jmp_lite._src.step.train_state import TrainState
 from jmp_lite._src.step.eval import make_eval_step
 from jmp_lite._src.step.make import make_train_step
+from jmp_lite._src.step.half_share import NothingInHalfWarning
 from jmp_lite._src.scaling.transform import LossScaleState
 from jmp_lite._src.scaling.transform import dynamic_loss_scaling
 from jmp_lite._src.scaling.transform import loss_scale_of
@@ -64,6 +65,7 @@ __all__ = (
     "LintFindings",
     "LossScale",
     "LossScaleState",
+    "NothingInHalfWarning",
     "MemoryLedger",
     "NoOpLossScale",
     "Policy",

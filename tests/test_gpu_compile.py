@@ -203,3 +203,25 @@ def test_the_h100_target_ships_inside_the_package():
   path = gpu_lib.GPU_TARGETS["h100"]
   assert path.is_file() and pathlib.Path(jmp.__file__).parent in path.parents
   assert "cuda_compute_capability { major: 9 minor: 0 }" in path.read_text()  # Hopper, sm_90
+
+
+def test_the_gpu_memory_is_read_from_the_target_file():
+  text = gpu_lib.GPU_TARGETS["h100"].read_text()
+  size = int(re.search(r"device_memory_size: (\d+)", text).group(1))
+  assert gpu_lib.device_memory_bytes("h100") == size and 79 * 2**30 < size < 80 * 2**30
+
+
+@needs_plugin
+def test_a_program_larger_than_the_gpu_warns(monkeypatch):
+  """Issue 42 item 7: a 160 GB program compiled for an 80 GB H100 said nothing."""
+  f = jax.grad(lambda w, x: jnp.tanh(x @ w).sum())
+  w, x = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16)
+  report = jmp.compile_for_gpu(f, w, x)  # Fits: no warning (the suite errors on one).
+  assert report.memory_bytes == (report.argument_bytes + report.output_bytes
+                                 - report.alias_bytes + report.temp_bytes) > 0
+  # The GPU made smaller than the program, rather than the program larger than 80 GB.
+  monkeypatch.setattr(gpu_lib, "device_memory_bytes", lambda target: report.memory_bytes - 1)
+  with pytest.warns(UserWarning, match=r"compiled for h100 needs .* more than .* the NVIDIA H100"):
+    jmp.compile_for_gpu(f, w, x)
+  monkeypatch.setattr(gpu_lib, "device_memory_bytes", lambda target: report.memory_bytes)
+  assert jmp.compile_for_gpu(f, w, x).memory_bytes == report.memory_bytes  # Exactly fits.

@@ -380,12 +380,13 @@ def test_the_cause_behind_most_float32_matmuls_is_named_first():
   made = "a float32 value made inside the function"
   named = [f.reason.split(": ")[1].split(" (")[0] for f in found]
   assert named == [made, PINS, PINS, PINS, PINS]  # In program order.
-  assert "; also " + made in found[-1].reason  # The pinned dtype explains 4 of 5: named first.
+  # Issue 42 item 5: h is float32 whatever the table's dtype, so the table is no cause
+  # of the last matmul (a half table would change nothing there).
+  assert made not in found[-1].reason
   assert "set the layer's dtype to float16" in found[-1].reason
   lines = str(found).splitlines()  # Printed, the line that explains the most comes first.
-  assert len(lines) == 3 and "dot_general (3 times)" in lines[0]
-  assert [f"float16: {PINS}" in l for l in lines] == [True, False, True]  # Ties: in order.
-  assert f"float16: {made}" in lines[1]
+  assert len(lines) == 2 and "dot_general (4 times)" in lines[0]
+  assert f"float16: {PINS}" in lines[0] and f"float16: {made}" in lines[1]
 
 
 def test_a_float32_value_meeting_a_half_conv_is_a_finding_not_a_crash():

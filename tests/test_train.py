@@ -450,7 +450,7 @@ def test_batch_keep_full_keeps_large_targets_in_float32():
   policy = jmp.get_policy("mixed_float16")
   runs = {}
   for name, kwargs in [("cast", {}), ("keep", {"batch_keep_full": ("y",)}),
-                       ("uncast", {"cast_batch": False})]:
+                       ("uncast", {"cast_batch": False, "warn_no_half": False})]:  # f32 x @ w
     tx = jmp.dynamic_loss_scaling(optax.adam(0.1), init_scale=2.0**10)
     state = jmp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx)
     step = jmp.make_train_step(loss_fn, policy, **kwargs)

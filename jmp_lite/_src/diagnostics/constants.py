@@ -9,8 +9,9 @@ that the half dtype changes (:func:`autocast_promote.fits`) and that the
 policy's program rounds at the same source line: a half literal there, or one
 that ``jnp.where``/``jnp.clip`` cast to the half operand's dtype. A library
 that picks its sentinel by dtype (Flax's mask) or computes a statistic in
-float32 (Flax's LayerNorm eps) is not named. A ``jnp.where`` whose other
-operand is float32 is named although it stays float32.
+float32 (Flax's LayerNorm eps) is not named, nor a ``jnp.where``/``jnp.clip``
+whose result is float32 (a layer pinned to float32): the policy's program
+never rounds those.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ def _rounded_there(eqn: Any, position: int) -> bool:
 
   ``x + 1e-8`` with a half ``x`` holds ``0.0:f16``; ``jnp.where`` and
   ``jnp.clip`` take a Python scalar as float32 and cast it to the other
-  operand's dtype inside. A float32 literal elsewhere (a statistic's eps that
-  a library computes in float32, ``jax.random``'s bounds) stays float32.
+  operand's dtype inside, when that dtype is half. A float32 literal
+  elsewhere (a statistic's eps that a library computes in float32,
+  ``jax.random``'s bounds, ``finfo(float32).min`` masking an attention pinned
+  to float32) stays float32.
   """
   if jaxpr_utils.dtype_of(eqn.invars[position]) in rules.HALVES:
     return True
-  return eqn.primitive.name == "jit" and eqn.params.get("name") in _CASTING_CALLS
+  return (eqn.primitive.name == "jit" and eqn.params.get("name") in _CASTING_CALLS
+          and any(jaxpr_utils.dtype_of(v) in rules.HALVES for v in eqn.outvars))
 
 
 def _text(value: Any) -> str:
@@ -99,7 +103,8 @@ def changed(float32_jaxpr: Any, policy_jaxpr: Any, dtype: np.dtype,
     if rules.fits(value, dtype):
       continue
     source = jaxpr_utils.source_of(eqn, roots)
-    rounded = np.asarray(np.float32(value)).astype(dtype) if np.isfinite(value) else value
+    with np.errstate(over="ignore"):  # -1e9 is -inf in float16: what the finding says.
+      rounded = np.asarray(np.float32(value)).astype(dtype) if np.isfinite(value) else value
     there = held.get(source, set())
     if not there & {float(value), float(np.float32(value)), float(rounded)}:
       continue  # The policy's program writes another constant here (a dtype's own sentinel).

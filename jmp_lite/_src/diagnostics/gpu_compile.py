@@ -22,6 +22,8 @@ import functools
 import importlib.util
 import os
 import pathlib
+import re
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -45,6 +47,18 @@ _CUDA_DOWN = ("JAX's CUDA plugin is installed but its platform did not start ({e
               "machine without a GPU driver, set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before JAX "
               "first runs (importing jmp_lite before running anything in JAX does so).")
 _PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+_TOO_BIG = (
+    "the program compiled for {target} needs {need} (arguments {args} + outputs {outs} - "
+    "donated {alias} + temp {temp}), more than the {have} the {device} has: it would fail "
+    "to allocate there. Shrink the batch, rematerialise "
+    "(jax.checkpoint), keep optimizer state in 8 bits (quantize_state) or shard the step")
+
+
+@functools.lru_cache(maxsize=None)
+def device_memory_bytes(target: str) -> int | None:
+  """The device memory of ``target`` (``device_memory_size`` in its target file), or ``None``."""
+  found = re.search(r"^\s*device_memory_size:\s*(\d+)", GPU_TARGETS[target].read_text(), re.M)
+  return int(found.group(1)) if found else None
 
 
 def plugin_missing() -> str | None:
@@ -152,6 +166,7 @@ class GpuCompileReport:
     ops: every GEMM and convolution, in program order.
 
   A GEMM inside a loop counts once (instructions, not executions).
+  :attr:`memory_bytes` is what the program needs on the device at once.
   """
 
   target: str
@@ -163,6 +178,11 @@ class GpuCompileReport:
   output_bytes: int
   alias_bytes: int
   ops: tuple[hlo_census.Op, ...]
+
+  @property
+  def memory_bytes(self) -> int:
+    """Arguments + outputs + temp, less the outputs that reuse donated arguments."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
   @property
   def num_gemms(self) -> int:
@@ -211,6 +231,12 @@ def compile_for_gpu(step: Callable[..., Any], *args: Any, target: str = "h100",
   Returns:
     A :class:`GpuCompileReport`; ``print(report)`` shows it as a table.
 
+  Warns:
+    UserWarning: when the program's memory (:attr:`GpuCompileReport.memory_bytes`:
+      arguments, outputs and temp, less donated outputs) exceeds the
+      target's device memory (``device_memory_size`` of its target file: an
+      H100 SXM has 79.1 GiB): it would not fit on that GPU.
+
   Raises:
     ValueError: ``target`` is not a known GPU.
     RuntimeError: the CUDA plugin is not installed (the message says what to
@@ -237,7 +263,7 @@ def compile_for_gpu(step: Callable[..., Any], *args: Any, target: str = "h100",
   compiled = compile_placed(step, args, target, compiler_options)
   mem = compiled.memory_analysis()
   ops = hlo_census.census(compiled.as_text())
-  return GpuCompileReport(
+  report = GpuCompileReport(
       target=target,
       device_kind=topology_sharding(target).mesh.devices.flat[0].device_kind,
       gemms=_kinds([op for op in ops if op.kind == "gemm"]),
@@ -247,3 +273,19 @@ def compile_for_gpu(step: Callable[..., Any], *args: Any, target: str = "h100",
       output_bytes=int(mem.output_size_in_bytes),
       alias_bytes=int(mem.alias_size_in_bytes),
       ops=tuple(ops))
+  _warn_if_too_big(report)
+  return report
+
+
+def _warn_if_too_big(report: GpuCompileReport) -> None:
+  """A ``UserWarning`` when ``report``'s program needs more memory than its GPU has."""
+  have = device_memory_bytes(report.target)
+  if have is None or report.memory_bytes <= have:
+    return
+  def size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+  warnings.warn(_TOO_BIG.format(
+      target=report.target, need=size(report.memory_bytes), args=size(report.argument_bytes),
+      outs=size(report.output_bytes), alias=size(report.alias_bytes),
+      temp=size(report.temp_bytes), have=size(have), device=report.device_kind), stacklevel=3)

@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from jmp_lite._src import jaxpr_utils
@@ -21,6 +22,7 @@ from jmp_lite._src.diagnostics.findings import LintFinding
 from jmp_lite._src.diagnostics.findings import LintFindings
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
+from jmp_lite._src.step import half_share
 from jmp_lite._src.step import trace as step_trace
 
 _F16 = np.dtype(jnp.float16)
@@ -193,7 +195,7 @@ def _eqn_findings(
   if name in _F16_ELEMENTWISE and in_dtype == _F16:
     return [(name, _F16_ELEMENTWISE[name])]
   if name in _REDUCTIONS:
-    reason = _reduction(eqn, in_dtype, readers, ctx)
+    reason = _reduction(eqn, in_dtype, readers, producers, ctx)
     return [(name, reason)] if reason else []
   if name in ("dot_general", "conv_general_dilated"):
     dtype = precision_report.matmul_dtype(eqn, producers)
@@ -214,13 +216,29 @@ def _softmax(eqn: Any, readers: Any, explained: set[int]) -> bool:
   return bool(sums)
 
 
-def _reduction(eqn: Any, in_dtype: Any, readers: Any, ctx: _Context) -> Union[str, None]:
+def _widened_f16(var: Any, producers: Any) -> bool:
+  """Whether ``var`` is float16 data widened for the reduction (``jnp.sum`` of float16)."""
+  for _ in range(8):
+    eqn = producers.get(var)
+    if eqn is None or eqn.primitive.name not in _SHAPE_OPS:
+      return False
+    if jaxpr_utils.dtype_of(eqn.invars[0]) == _F16:
+      return True
+    var = eqn.invars[0]
+  return False
+
+
+def _reduction(
+    eqn: Any, in_dtype: Any, readers: Any, producers: Any, ctx: _Context
+) -> Union[str, None]:
   name = eqn.primitive.name
   if in_dtype == _F16:
     return f"{name} accumulates in float16 (max 65504, 11-bit precision)"
   # Under autocast a float32 -> float16 convert of a computed value is kept wide;
-  # the converts left are autocast's own casts of half-list (matmul) inputs.
-  if not ctx.autocast and jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16):
+  # the converts left are autocast's own casts of half-list (matmul) inputs. A
+  # sum of float32 data (a softmax of float32 logits) is not float16 data's.
+  if (not ctx.autocast and _widened_f16(eqn.invars[0], producers)
+      and jaxpr_utils.reaches(eqn.outvars[0], readers, _SCALE_OPS, _to_f16)):
     return (f"{name} of float16 data returns float16 (max 65504): "
             "reduce a float32 copy and keep the result in float32")
   return None
@@ -385,3 +403,27 @@ def precision_lint(
         "loss", "the loss is float16: cast it to float32 before reducing or scaling it",
         jaxpr_utils.source_of(producer, roots)))
   return _rank_causes(findings, ctx.compute)
+
+
+def _step_cause(
+    loss_fn: Callable[..., Any], policy: policy_lib.Policy, params: Any, model_state: Any,
+    batch: Any, options: Any,
+) -> Union[str, None]:
+  """Why a step's matmuls run in float32, as its lint's most frequent float32 matmul says.
+
+  The step's :class:`NothingInHalfWarning` names it (:mod:`half_share`);
+  ``loss_fn`` is linted on the shapes of the step's arguments.
+  """
+  def shapes(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, tree)
+
+  found = precision_lint(loss_fn, shapes(params), shapes(batch), policy=policy,
+                         model_state=shapes(model_state), **options)
+  pinned = [f.reason for f in found if f.reason.startswith(_PINNED)]
+  if not pinned:
+    return None
+  return collections.Counter(pinned).most_common(1)[0][0].split(": ", 1)[1]
+
+
+half_share.register_explainer(_step_cause)

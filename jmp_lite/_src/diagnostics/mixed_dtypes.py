@@ -32,8 +32,19 @@ _BORN_WIDE = {
     "carry": "a float32 loop carry made inside the function",
     "state": "a float32 model-state leaf (never cast)",
 }
-_OPS = frozenset({"conv_general_dilated", "dot_general"})
+# The lax operations that do not promote, by the name their error gives them.
+_OPS = {"conv_general_dilated": "conv_general_dilated", "dot_general": "dot_general",
+        "select_n": "select"}
 _SAME_DTYPES = "same dtype"  # lax's "requires arguments to have the same dtypes".
+# The fix for a float32 operand, by its cause: the step never casts model state.
+_FIXES = {
+    "state": "The step keeps model state in the dtype it was stored in (never cast): build "
+             "the step with autocast=True, which runs the {op} in one dtype, or use a layer "
+             "that keeps its statistics apart from its output (eqx.nn.BatchNorm(..., "
+             "mode=\"batch\"))",
+}
+_FIX = ("Cast it to {half} where it is made (jax.random.normal(key, shape, x.dtype), "
+        ".astype(x.dtype)), or build the step with autocast=True, which casts it for the {op}")
 
 
 class Mixed(NamedTuple):
@@ -82,19 +93,20 @@ def _explain(
   _search(traced.jaxpr, provenance.input_labels(traced.jaxpr, traced.roles), found)
   if not found:
     return None
-  eqn, wide, origin = found[0]
+  # The op the error names (lax.select, lax.conv_general_dilated), else the first.
+  eqn, wide, origin = next((f for f in found if f"lax.{_OPS[f[0].primitive.name]} " in
+                            str(error)), found[0])
   roots = jaxpr_utils.library_roots()
   half = np.dtype(step.policy.compute_dtype).name
   cause = provenance.ordered(wide & set(_BORN_WIDE))[0]
   where = jaxpr_utils.source_of(eqn, roots) or "<unknown source>"
+  op = eqn.primitive.name
   reason = (
       f"mixes float32 and {half} operands, so the function does not trace under the "
       f"policy ({str(error).splitlines()[0]}). The float32 operand is "
-      f"{_BORN_WIDE[cause]}, made at this line; it meets a {half} param or batch value "
-      f"at {where}. Cast it to {half} where it is made (jax.random.normal(key, shape, "
-      f"x.dtype), .astype(x.dtype)), or build the step with autocast=True, which casts it "
-      f"for the {eqn.primitive.name}")
-  return Mixed(eqn.primitive.name, reason, jaxpr_utils.source_of(origin, roots) or where)
+      f"{_BORN_WIDE[cause]}, {'read' if cause == 'state' else 'made'} at this line; it meets a {half} param or batch value "
+      f"at {where}. " + _FIXES.get(cause, _FIX).format(half=half, op=op))
+  return Mixed(op, reason, jaxpr_utils.source_of(origin, roots) or where)
 
 
 def _search(jaxpr: Any, inputs: list[provenance.Labels], found: list[tuple[Any, Any, Any]]
@@ -105,11 +117,12 @@ def _search(jaxpr: Any, inputs: list[provenance.Labels], found: list[tuple[Any, 
   walk: Callable[[Any, list[provenance.Labels]], list[provenance.Labels]] = (
       lambda sub, labels: _search(sub, labels, found))
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _OPS:
-      labels = [origins.of(v) for v in eqn.invars[:2]]
+    if eqn.primitive.name in _OPS:  # A select's data operands follow its predicate.
+      data = eqn.invars[1:3] if eqn.primitive.name == "select_n" else eqn.invars[:2]
+      labels = [origins.of(v) for v in data]
       wide = [bool(l & set(_BORN_WIDE)) for l in labels]
       if wide[0] != wide[1] and all(labels):  # One born float32, one cast to half.
-        operand = eqn.invars[wide.index(True)]
+        operand = data[wide.index(True)]
         found.append((eqn, labels[wide.index(True)], _origin(operand, producers, origins)))
     origins.step(eqn, walk)
     producers.update((v, eqn) for v in eqn.outvars)

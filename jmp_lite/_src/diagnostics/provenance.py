@@ -36,6 +36,7 @@ import functools
 import operator
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 from jax.extend import core as jex_core
 
 from jmp_lite._src import jaxpr_utils
@@ -57,12 +58,34 @@ _NARROW_ITEMSIZE = 2  # float16, bfloat16 and float8 values carry no label.
 
 
 def _tracked(v: Any) -> bool:
-  """Wide floats, integers, bools and keys carry labels; half and float8 values do not."""
+  """Wide floats, integers and keys carry labels; half, float8 and bool values do not.
+
+  A bool (a comparison's result, Dropout's mask) selects data but carries no
+  precision: the float32 uniform behind a mask does not make the masked
+  values float32.
+  """
   dtype = getattr(getattr(v, "aval", None), "dtype", None)
   if dtype is None:
     return False
   plain = jaxpr_utils.dtype_of(v)
-  return plain is None or not jaxpr_utils.is_floating(plain) or plain.itemsize > _NARROW_ITEMSIZE
+  if plain is None:  # A PRNG key.
+    return True
+  if plain == np.bool_:
+    return False
+  return not jaxpr_utils.is_floating(plain) or plain.itemsize > _NARROW_ITEMSIZE
+
+
+def _data(eqn: Any) -> list[Any]:
+  """The operands whose precision ``eqn``'s floating outputs carry: its floating ones.
+
+  An integer operand of an op with floating operands (a gather's or a
+  dynamic slice's indices) moves data without carrying precision; with no
+  floating operand (random bits made into a uniform, a convert), the others.
+  """
+  if not any(jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v)) for v in eqn.outvars):
+    return list(eqn.invars)
+  floats = [v for v in eqn.invars if jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))]
+  return floats or list(eqn.invars)
 
 
 def _wide_float(v: Any) -> bool:
@@ -107,7 +130,10 @@ class Origins:
     """Why an op on ``operands`` is wide: their labels, promotion converts set aside."""
     wide = [v for v in operands if isinstance(v, jex_core.Var) and _tracked(v)]
     own = [v for v in wide if v not in self._casts and self.of(v)]
-    return _union(self.of(v) for v in (own or wide))
+    labels = [self.of(v) for v in (own or wide)]
+    # A constant made beside a value wide for another reason (Dropout's
+    # zeros_like of a float32 input) takes its dtype from it: not a cause.
+    return _union([l for l in labels if l != MADE] or labels)
 
   def step(self, eqn: Any, walk: Callable[[Any, list[Labels]], list[Labels]]) -> None:
     """Labels the outputs of ``eqn``, the next equation in program order.
@@ -127,7 +153,7 @@ class Origins:
     if name in _RANDOM_PRIMITIVES:
       self._set(eqn.outvars, [RANDOM] * len(eqn.outvars))
       return
-    labels = self.cause(eqn.invars)
+    labels = self.cause(_data(eqn))
     from_half = any(isinstance(v, jex_core.Var) and not _tracked(v) and
                     jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v)) for v in eqn.invars)
     fresh = UPCAST if from_half else MADE

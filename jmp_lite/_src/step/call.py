@@ -212,8 +212,10 @@ class TrainStep:
   ``trace`` and ``eval_shape`` check their arguments as a call does.
   """
 
-  def __init__(self, step: Callable[..., Any], donate: bool):
+  def __init__(self, step: Callable[..., Any], donate: bool,
+               inspect: Callable[[Any, TrainState, Any], None] | None = None):
     self._step = step
+    self._inspect = inspect  # Reads the first call's traced program (half_share.check).
     self._jitted = jax.jit(self._traced, donate_argnums=(0,) if donate else ())
     self._filtered = FilteredJit(self._traced, donate)
     self._donate = donate
@@ -280,6 +282,11 @@ class TrainStep:
     """The first call: chooses the jit, and records the signature once the call succeeds."""
     target = self._choose(batch)
     signature = _signature(state, batch)
+    if self._inspect is not None and not checks.is_traced(state.step):
+      # Traced once: the call below reuses this trace (jax caches it).
+      trace = (functools.partial(target.method, "trace") if target is self._filtered
+               else target.trace)
+      self._inspect(self._explained(trace, state, batch).jaxpr.jaxpr, state, batch)
     out = self._explained(target, state, batch)
     self._signature, self._target = signature, target
     self._block = _multi_device_cpu((state, batch))

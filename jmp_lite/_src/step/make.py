@@ -8,6 +8,7 @@ that need Python (tree structures, static batch leaves, donation).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -15,6 +16,7 @@ import jax
 from jmp_lite._src.autocast import autocast as autocast_lib
 from jmp_lite._src import checks
 from jmp_lite._src import policy as policy_lib
+from jmp_lite._src.step import half_share
 from jmp_lite._src.step import stages
 from jmp_lite._src.scaling import transform
 from jmp_lite._src.fp8.recipe import Float8Recipe
@@ -37,6 +39,7 @@ def make_train_step(
     axis_name: str | None = None,
     autocast: bool = False,
     fp8: bool | Float8Recipe | None = None,
+    warn_no_half: bool = True,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
   """Builds ``step(state, batch) -> (state, metrics)``, compiled with ``jax.jit``.
 
@@ -146,6 +149,14 @@ def make_train_step(
       current scaling; loss scaling, the masters and the skip are unchanged
       (a non-finite value in a matmul stays non-finite, so the skip sees it).
       Needs ``autocast=True``.
+    warn_no_half: warn (:class:`NothingInHalfWarning`, once, at the first
+      call) when the policy computes in half, or ``autocast`` is set, but
+      under a tenth of the FLOPs of the matmuls and convolutions of
+      ``loss_fn`` and its gradient run in half: a model whose layers pin
+      ``dtype=jnp.float32`` saves nothing. The message names the cause as
+      :func:`precision_lint` does. Default on; ``False`` where float32 is
+      intended. The first call traces the step with ``jax.jit(...).trace``,
+      which the call reuses: nothing is traced twice.
 
   Returns:
     The jitted step. ``metrics`` holds ``loss`` (float32, unscaled),
@@ -191,6 +202,7 @@ def make_train_step(
   donate = checks.boolean("donate", donate)
   track_nonfinite = checks.boolean("track_nonfinite", track_nonfinite)
   cast_batch = checks.boolean("cast_batch", cast_batch)
+  warn_no_half = checks.boolean("warn_no_half", warn_no_half)
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
   loss_fn = under_autocast(loss_fn, policy, autocast, fp8)
@@ -217,7 +229,12 @@ def make_train_step(
     metrics = stages.step_metrics(config, scale, inputs, grads, guard)
     return new_state, {**metrics, **stages.skip_metrics(opt_state)}
 
-  return TrainStep(step, donate)
+  inspect = None
+  if warn_no_half:
+    inspect = functools.partial(
+        half_share.check, loss_fn=loss_fn, policy=policy, autocast=autocast,
+        options={"cast_batch": cast_batch, "batch_keep_full": batch_keep_full})
+  return TrainStep(step, donate, inspect)
 
 
 def check_fn_and_policy(name: str, fn: Any, policy: Any) -> None:

@@ -29,6 +29,7 @@ from jmp_lite._src import filtering
 from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.scaling import skip
+from jmp_lite._src.step import half_share
 from jmp_lite._src.step import model_state as step_model_state
 from jmp_lite._src.scaling import transform
 from jmp_lite._src import tree_utils
@@ -181,8 +182,9 @@ def scaled_gradient(config: StepConfig, inputs: Inputs, scale: jax.Array) -> Gra
     # Rebuilt here, so that objects in it (NNX variables, which remember the
     # trace they were made in) belong to this trace and can be mutated.
     model_state = jax.tree.map(lambda x: x, model_state)
-    loss, new_model_state, aux = call(
-        tree_utils.merge_floating(trained_c, inputs.params), model_state, inputs.batch)
+    with jax.named_scope(half_share.LOSS_SCOPE):  # Where the first call counts matmuls.
+      loss, new_model_state, aux = call(
+          tree_utils.merge_floating(trained_c, inputs.params), model_state, inputs.batch)
     return loss * scale, (loss, new_model_state, aux)
 
   grads, (loss, model_state, aux) = jax.grad(scaled_loss, has_aux=True)(
