@@ -179,6 +179,99 @@ def census(hlo_text: str) -> list[Op]:
   return ops
 
 
+# Bytes per element of the HLO element types a collective carries.
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                  "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                  **{f: 1 for f in FLOAT8}}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a compiled program: its kind and the bytes of its results, by dtype.
+
+  Attributes:
+    kind: ``"all-gather"``, ``"all-reduce"``, ``"reduce-scatter"``, ``"all-to-all"``,
+      ``"collective-permute"`` or ``"collective-broadcast"`` (an async ``-start``
+      counts as its collective; its ``-done`` is not counted again).
+    name: the instruction's name.
+    bytes_by_dtype: ``((dtype, bytes), ...)``: what one device holds as the
+      collective's results (an all-gather's gathered arrays, an all-reduce's
+      reduced ones), per element type, in the order the results come.
+  """
+
+  kind: str
+  name: str
+  bytes_by_dtype: tuple[tuple[str, int], ...]
+
+  @property
+  def bytes(self) -> int:
+    """All its result bytes."""
+    return sum(n for _, n in self.bytes_by_dtype)
+
+
+def _top_level(type_text: str) -> list[str]:
+  """The elements of a tuple type (``(a, (b, c))`` -> ``["a", "(b, c)"]``); a non-tuple: itself."""
+  if not type_text.startswith("("):
+    return [type_text]
+  parts, depth, start = [], 0, 1
+  for k, ch in enumerate(type_text):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(type_text[start:k].strip())
+      start = k + 1
+  return [p for p in parts if p]
+
+
+def _result_bytes(opcode: str, type_text: str) -> tuple[tuple[str, int], ...]:
+  """The results' bytes by dtype: an async start's type holds its operands, then its results."""
+  parts = _top_level(type_text)
+  if opcode == "collective-permute-start" and len(parts) >= 2:
+    parts = parts[1:2]
+  elif opcode == "all-gather-start" and len(parts) >= 2:
+    parts = parts[len(parts) // 2:]
+  found: dict[str, int] = {}
+  for dtype, dims in _SHAPE.findall(" ".join(parts)):
+    count = 1
+    for d in filter(None, dims.split(",")):
+      count *= int(d)
+    found[dtype] = found.get(dtype, 0) + count * _ELEMENT_BYTES.get(dtype, 0)
+  return tuple(found.items())
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective of an optimised HLO module, in program order.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of an SPMD-partitioned XLA program.
+
+  Returns:
+    A list of :class:`Collective` (a collective in a loop body counts once).
+
+  Examples:
+    >>> text = '''
+    ... ENTRY %main (a: f8e4m3fn[4,16], b: f32[]) -> f32[] {
+    ...   %a = f8e4m3fn[4,16]{1,0} parameter(0)
+    ...   %b = f32[] parameter(1)
+    ...   %g = (f8e4m3fn[4,16]{1,0}, f8e4m3fn[32,16]{1,0}) all-gather-start(%a), dimensions={0}
+    ...   %d = f8e4m3fn[32,16]{1,0} all-gather-done(%g)
+    ...   ROOT %r = f32[] all-reduce(%b), to_apply=%add
+    ... }
+    ... '''
+    >>> [(c.kind, c.bytes_by_dtype) for c in collectives(text)]
+    [('all-gather', (('f8e4m3fn', 512),)), ('all-reduce', (('f32', 4),))]
+  """
+  found = []
+  for i in instructions(hlo_text):
+    kind = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode
+    if kind in COLLECTIVES:
+      found.append(Collective(kind, i.name, _result_bytes(i.opcode, i.type)))
+  return found
+
+
 def summary(ops: list[Op]) -> dict[str, object]:
   """Counts by ``"runner lhs x rhs"`` for GEMMs and convolutions, and the FP8 share of the GEMMs.
 
