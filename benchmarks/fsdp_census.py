@@ -73,40 +73,57 @@ def fsdp_structs(tree: Any, mesh: Any) -> Any:
 
 
 def _compiled_facts(step: Any, args: tuple[Any, ...], cache: pathlib.Path | None) -> dict[str, Any]:
-  """The compiled program's HLO text and memory, from the cache when the lowered program is there."""
+  """The compiled program's memory and census; the compile is skipped when the cache holds its HLO.
+
+  The cache keeps, per lowered program (its hash), the memory analysis and the
+  optimised HLO text, so that a change to the census reads the cache too.
+  """
+  from jmp_lite._src.diagnostics import hlo_census  # pylint: disable=import-outside-toplevel
+
   lowered = step.lower(*args)
-  key = hashlib.sha256(lowered.as_text().encode()).hexdigest()[:24]
+  key = hashlib.sha256(("v2" + lowered.as_text()).encode()).hexdigest()[:24]
   path = cache / f"{key}.json.gz" if cache is not None else None
   if path is not None and path.exists():
     with gzip.open(path, "rt") as f:
-      return dict(json.load(f), cached=True)
-  start = time.perf_counter()
-  report_ = gpu_lib.compile_for_gpu(step, *args)
-  facts = dict(compile_s=time.perf_counter() - start, temp_bytes=report_.temp_bytes,
-               argument_bytes=report_.argument_bytes, output_bytes=report_.output_bytes,
-               gemm_kinds=report_.gemms, fp8_gemms=report_.fp8_gemms, gemms=report_.num_gemms,
-               collectives=[[c.kind, c.name, [list(p) for p in c.bytes_by_dtype]]
-                            for c in report_.collectives])
-  if path is not None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt") as f:
-      json.dump(facts, f)
-  return dict(facts, cached=False)
+      stored = dict(json.load(f), cached=True)
+  else:
+    start = time.perf_counter()
+    compiled = gpu_lib.compile_placed(step, args, "h100")
+    mem = compiled.memory_analysis()
+    stored = dict(compile_s=time.perf_counter() - start, temp_bytes=int(mem.temp_size_in_bytes),
+                  argument_bytes=int(mem.argument_size_in_bytes),
+                  output_bytes=int(mem.output_size_in_bytes), hlo=compiled.as_text())
+    if path is not None:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      with gzip.open(path, "wt") as f:
+        json.dump(stored, f)
+    stored["cached"] = False
+  text = stored.pop("hlo")
+  ops = hlo_census.census(text)
+  return dict(stored, gemms=len([o for o in ops if o.kind == "gemm"]),
+              fp8_gemms=sum(o.float8 for o in ops if o.kind == "gemm"),
+              collectives=[[c.kind, c.reduction, [list(p) for p in c.bytes_by_dtype]]
+                           for c in hlo_census.collectives(text)])
 
 
 def census(collectives: list[list[Any]]) -> dict[str, Any]:
-  """Counts and bytes per device of ``[kind, name, [[dtype, bytes], ...]]`` entries, by kind and dtype.
+  """Counts and bytes per device of ``[kind, reduction, [[dtype, bytes], ...]]`` entries.
+
+  An all-reduce is counted under ``all-reduce`` and under ``all-reduce <reduction>``
+  (``all-reduce maximum``: an amax).
 
   Examples:
-    >>> c = census([["all-gather", "a", [["f8e4m3fn", 300]]], ["all-gather", "b", [["bf16", 100]]],
-    ...             ["all-reduce", "c", [["f32", 4]]]])
+    >>> c = census([["all-gather", "", [["f8e4m3fn", 300]]], ["all-gather", "", [["bf16", 100]]],
+    ...             ["all-reduce", "maximum", [["f32", 4]]]])
     >>> c["counts"], c["bytes"]["all-gather"], round(c["float8_gather_share"], 2)
-    ({'all-gather': 2, 'all-reduce': 1}, {'f8e4m3fn': 300, 'bf16': 100}, 0.75)
+    ({'all-gather': 2, 'all-reduce': 1, 'all-reduce maximum': 1}, {'f8e4m3fn': 300, 'bf16': 100}, 0.75)
   """
   counts: dict[str, int] = collections.Counter()
   by_kind: dict[str, dict[str, int]] = {}
-  for kind, _, parts in collectives:
+  for kind, reduction, parts in collectives:
     counts[kind] += 1
+    if kind == "all-reduce":
+      counts[f"all-reduce {reduction}"] += 1
     for dtype, n in parts:
       by_kind.setdefault(kind, collections.Counter())[dtype] += n
   gathered = by_kind.get("all-gather", {})
@@ -173,16 +190,16 @@ def markdown(result: dict[str, Any]) -> str:
     config = ", ".join(f"{k}={v}" for k, v in result["configs"][model].items())
     lines += [f"**{model}** ({config}).", "",
               "| variant | temp MiB | all-gathers | gathered MiB by dtype | float8 share | "
-              "all-reduces | all-reduced MiB by dtype | other collectives | FP8 GEMMs |",
+              "all-reduces (of them amaxes) | all-reduced MiB by dtype | other collectives | FP8 GEMMs |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in result["rows"] if r["model"] == model):
       counts = r["counts"]
       other = ", ".join(f"{n} {k}" for k, n in counts.items()
-                        if k not in ("all-gather", "all-reduce")) or "-"
+                        if not k.startswith(("all-gather", "all-reduce"))) or "-"
       lines.append(
           f"| {r['variant']} | {_mib(r['temp_bytes'])} | {counts.get('all-gather', 0)} | "
           f"{_by_dtype(r['bytes'].get('all-gather', {}))} | {r['float8_gather_share']:.2f} | "
-          f"{counts.get('all-reduce', 0)} | {_by_dtype(r['bytes'].get('all-reduce', {}))} | "
+          f"{counts.get('all-reduce', 0)} ({counts.get('all-reduce maximum', 0)}) | {_by_dtype(r['bytes'].get('all-reduce', {}))} | "
           f"{other} | {r['fp8_gemms']}/{r['gemms']} |")
     lines.append("")
   if result["bars"]:
@@ -233,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
       counts = row["counts"]
       print(f"{name:12s} {variant:16s} temp {_mib(row['temp_bytes']):>8s} MiB  "
             f"all-gather {counts.get('all-gather', 0):3d} ({_by_dtype(row['bytes'].get('all-gather', {}))})"
-            f"  float8 {row['float8_gather_share']:.2f}  all-reduce {counts.get('all-reduce', 0):3d}"
+            f"  float8 {row['float8_gather_share']:.2f}  all-reduce {counts.get('all-reduce', 0):3d} (amax {counts.get('all-reduce maximum', 0)})"
             f"  {'(cached)' if row['cached'] else 'compiled in %.0f s' % row['compile_s']}",
             flush=True)
       rows.append(row)

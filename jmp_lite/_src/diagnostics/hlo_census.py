@@ -90,6 +90,7 @@ class Instr:
   kind: str | None
   computation: str
   contracting: tuple[int, ...] = ()
+  rest: str = ""
 
 
 def _element_type(type_text: str) -> str:
@@ -118,7 +119,8 @@ def instructions(hlo_text: str) -> Iterator[Instr]:
     contracting = tuple(int(d.strip('" ')) for d in (dims.group(1) or dims.group(2) or "").split(",")
                         if d.strip('" ')) if dims else ()
     yield Instr(name, type_text, opcode, _OPERANDS.findall(args), calls and calls.group(1),
-                 target and target.group(1), kind and kind.group(1), computation, contracting)
+                 target and target.group(1), kind and kind.group(1), computation, contracting,
+                 rest)
 
 
 def census(hlo_text: str) -> list[Op]:
@@ -186,6 +188,7 @@ _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast")
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,11 +203,15 @@ class Collective:
     bytes_by_dtype: ``((dtype, bytes), ...)``: what one device holds as the
       collective's results (an all-gather's gathered arrays, an all-reduce's
       reduced ones), per element type, in the order the results come.
+    reduction: what a reducing collective applies (its ``to_apply``
+      computation's root opcode: ``"maximum"`` for an amax, ``"add"`` for a
+      sum), ``""`` for the others.
   """
 
   kind: str
   name: str
   bytes_by_dtype: tuple[tuple[str, int], ...]
+  reduction: str = ""
 
   @property
   def bytes(self) -> int:
@@ -258,18 +265,41 @@ def collectives(hlo_text: str) -> list[Collective]:
     ...   %b = f32[] parameter(1)
     ...   %g = (f8e4m3fn[4,16]{1,0}, f8e4m3fn[32,16]{1,0}) all-gather-start(%a), dimensions={0}
     ...   %d = f8e4m3fn[32,16]{1,0} all-gather-done(%g)
-    ...   ROOT %r = f32[] all-reduce(%b), to_apply=%add
+    ...   ROOT %r = f32[] all-reduce(%b), to_apply=%max
+    ... }
+    ... %max (x: f32[], y: f32[]) -> f32[] {
+    ...   %x = f32[] parameter(0)
+    ...   %y = f32[] parameter(1)
+    ...   ROOT %m = f32[] maximum(%x, %y)
     ... }
     ... '''
-    >>> [(c.kind, c.bytes_by_dtype) for c in collectives(text)]
-    [('all-gather', (('f8e4m3fn', 512),)), ('all-reduce', (('f32', 4),))]
+    >>> [(c.kind, c.bytes_by_dtype, c.reduction) for c in collectives(text)]
+    [('all-gather', (('f8e4m3fn', 512),), ''), ('all-reduce', (('f32', 4),), 'maximum')]
   """
+  instrs = list(instructions(hlo_text))
+  roots = _roots(hlo_text)
   found = []
-  for i in instructions(hlo_text):
+  for i in instrs:
     kind = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode
     if kind in COLLECTIVES:
-      found.append(Collective(kind, i.name, _result_bytes(i.opcode, i.type)))
+      applied = _TO_APPLY.search(i.rest)
+      found.append(Collective(kind, i.name, _result_bytes(i.opcode, i.type),
+                              roots.get(applied.group(1), "?") if applied else ""))
   return found
+
+
+def _roots(hlo_text: str) -> dict[str, str]:
+  """Each computation's root opcode."""
+  roots, computation = {}, ""
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+    elif line.lstrip().startswith("ROOT "):
+      match = _INSTRUCTION.match(line)
+      if match:
+        roots[computation] = match.group(3)
+  return roots
 
 
 def summary(ops: list[Op]) -> dict[str, object]:
