@@ -6,7 +6,9 @@ Params, Adam state and batch sharded on their first axis over one mesh axis:
   the amax known before the gather, are bit for bit those of casting after it;
 - the FP8 eval step's logits on sharded params are the unsharded step's;
 - after 100 steps the FSDP FP8 params are as close to the unsharded FP8
-  ones as those are to bf16 autocast's (relative distance, worst leaf).
+  ones as those are to bf16 autocast's (relative distance, worst leaf);
+- with bf16 masters and dynamic loss scaling, a NaN in one device's shard
+  skips the step everywhere, params bit for bit, and the next step trains.
 """
 
 import os
@@ -98,6 +100,22 @@ CHILD = textwrap.dedent(
     assert l_fsdp < 0.5 * start and l_fp8 < 0.5 * start, (start, l_fsdp, l_fp8)
     assert dist(p_fsdp, p_fp8) <= dist(p_fp8, p_bf16), (dist(p_fsdp, p_fp8), dist(p_fp8, p_bf16))
     print("distances", dist(p_fsdp, p_fp8), dist(p_fp8, p_bf16), l_fsdp, l_fp8, l_bf16)
+
+    # 4. Composes with bf16 masters and dynamic loss scaling: a NaN in one
+    # device's shard of the batch skips the step on every device, bit for bit.
+    tx = jmp.dynamic_loss_scaling(optax.adam(1e-3), init_scale=2.0**10)
+    step = jmp.make_train_step(loss_fn, bf16, autocast=True, fp8=recipe)
+    state = jmp.TrainState.create(params=shard(params), tx=tx, master_dtype=jnp.bfloat16,
+                                  rounding="nearest")
+    before = jax.device_get(state.params)
+    state, metrics = step(state, shard({"x": x.at[61, 3].set(jnp.nan), "y": y}))
+    assert not bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 2.0**10
+    for n, v in jax.device_get(state.params).items():
+      np.testing.assert_array_equal(v.view(np.uint16), before[n].view(np.uint16))
+    assert float(jmp.loss_scale_of(state.opt_state)) == 2.0**9
+    state, metrics = step(state, shard({"x": x, "y": y}))
+    assert bool(metrics["grads_finite"]) and state.params["w1"].sharding.spec == P("fsdp")
+    assert not np.array_equal(np.asarray(state.params["w1"]), np.asarray(before["w1"]))
     print("ok")
     """
 )
