@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jmp_lite as jmp
@@ -83,3 +84,21 @@ def test_the_step_autocast_quantises_its_arguments_with_the_amaxes_taken_before(
   assert sorted(seen) == [("1", 0.5), ("w", 3.0)], seen  # The batch's too: known before.
   plain = jmp.autocast(lambda w, x: (x @ w).sum(), jnp.bfloat16, fp8=RECIPE)(w, x)
   assert float(out) == float(plain)
+
+
+def test_a_step_whose_layers_call_a_jitted_helper_trains_and_retraces():
+  # Autocast traces a nested jit's body on its own: an amax taken outside it
+  # would be a constant of another trace (it was: "No constant handler").
+  dense = jax.jit(lambda w, x: jnp.tanh(x @ w))
+
+  def loss_fn(p, b):
+    return jnp.mean(dense(p["w2"], dense(p["w1"], b["x"])).astype(jnp.float32) ** 2)
+
+  params = {"w1": jnp.full((16, 16), 0.1), "w2": jnp.full((16, 16), -0.2)}
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True, fp8=RECIPE)
+  state = jmp.TrainState.create(params=params, tx=optax.adam(1e-2))
+  losses = []
+  for n in (8, 4, 8):  # A second shape: a second trace.
+    state, metrics = step(state, {"x": jnp.linspace(-1, 1, n * 16).reshape(n, 16)})
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)) and losses[2] < losses[0], losses

@@ -387,9 +387,16 @@ def decide(eqn: Any, recipe: Float8Recipe) -> bool:
 
 
 def exact_sources(eqn: Any) -> tuple[Union[str, None], Union[str, None]]:
-  """The argument leaves whose values ``eqn``'s operands hold (see :attr:`Matmul.exact`), or ``None``s."""
+  """The argument leaves whose values ``eqn``'s operands hold (see :attr:`Matmul.exact`), or ``None``s.
+
+  Only for a matmul at the top level of the traced function: autocast may
+  trace a higher-order equation's body on its own (a nested jit, cached),
+  where a value taken outside it would be a constant of another trace.
+  """
   p = _ACTIVE.get()
-  m = None if p is None else p.matmuls.get(_SITE.get() + (id(eqn),))
+  if p is None or _SITE.get():
+    return (None, None)
+  m = p.matmuls.get(_SITE.get() + (id(eqn),))
   return (None, None) if m is None else m.exact
 
 
