@@ -52,29 +52,24 @@ AXIS = "fsdp"
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "jmp_lite" / "fsdp_census"
 
 
-def fsdp_structs(tree: Any, mesh: Any, embedding_axis: int = 0) -> Any:
+def fsdp_structs(tree: Any, mesh: Any) -> Any:
   """``tree``'s arrays as ``ShapeDtypeStruct``s sharded on their first axis over ``mesh``.
 
   A leaf whose first axis the mesh's size does not divide (a scalar, a count)
-  is replicated. An embedding table (a leaf named ``embedding``, and its Adam
-  moments) is sharded on axis ``embedding_axis``: 1 is MaxText's FSDP rule
-  (the table's ``embed`` axis), 0 the vocabulary.
+  is replicated.
   """
   import jax  # pylint: disable=import-outside-toplevel
 
   size = mesh.devices.size
 
-  def place(path: Any, x: Any) -> Any:
+  def place(x: Any) -> Any:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
       return x
-    axis = embedding_axis if "embedding" in jax.tree_util.keystr(path) else 0
-    parts: list[Any] = [None] * len(x.shape)
-    if len(x.shape) > axis and x.shape[axis] % size == 0:
-      parts[axis] = AXIS
-    spec = jax.sharding.PartitionSpec(*parts) if AXIS in parts else jax.sharding.PartitionSpec()
+    first = len(x.shape) >= 1 and x.shape[0] % size == 0
+    spec = jax.sharding.PartitionSpec(AXIS) if first else jax.sharding.PartitionSpec()
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
-  return jax.tree_util.tree_map_with_path(place, tree)
+  return jax.tree.map(place, tree)
 
 
 def _compiled_facts(step: Any, args: tuple[Any, ...], cache: pathlib.Path | None) -> dict[str, Any]:
@@ -138,15 +133,13 @@ def census(collectives: list[list[Any]]) -> dict[str, Any]:
               gather_bytes=total, float8_gather_share=f8 / total if total else 0.0)
 
 
-def measure(name: str, problem: models.Problem, mesh: Any, cache: pathlib.Path | None,
-            embedding_axis: int = 0) -> dict[str, Any]:
+def measure(name: str, problem: models.Problem, mesh: Any, cache: pathlib.Path | None) -> dict[str, Any]:
   """Compiles variant ``name`` sharded over ``mesh``; its collective census and memory."""
   import jax  # pylint: disable=import-outside-toplevel
   from benchmarks import variants as variants_lib  # pylint: disable=import-outside-toplevel
 
   variant = variants_lib.make_variant(name, problem)
-  args = (fsdp_structs(jax.eval_shape(variant.init), mesh, embedding_axis),
-          fsdp_structs(problem.batch, mesh))
+  args = (fsdp_structs(jax.eval_shape(variant.init), mesh), fsdp_structs(problem.batch, mesh))
   facts = _compiled_facts(variant.fn, args, cache)
   return dict(variant=name, **facts, **census(facts["collectives"]))
 
@@ -192,8 +185,7 @@ def markdown(result: dict[str, Any]) -> str:
   lines = [report.meta_line(result["meta"]), "",
            f"**Compiled for {result['devices']} x {result['target_device']}, not run**: params, "
            f"optimizer state and batch sharded on their first axis over one mesh axis "
-           f"(FSDP; an embedding table on axis {result['embedding_axis']}). Bytes are MiB per "
-           f"device, of each collective's results.", ""]
+           f"(FSDP). Bytes are MiB per device, of each collective's results.", ""]
   for model in dict.fromkeys(r["model"] for r in result["rows"]):
     config = ", ".join(f"{k}={v}" for k, v in result["configs"][model].items())
     lines += [f"**{model}** ({config}).", "",
@@ -229,10 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--preset", default="gpu", choices=("gpu", "cpu"),
                  help="model sizes (default: %(default)s, the sizes of the GPU benchmarks)")
   p.add_argument("--batch", type=cli.positive_int, help="batch size (default: the preset's)")
-  p.add_argument("--embedding-axis", type=int, choices=(0, 1), default=0,
-                 help="the axis an embedding table is sharded on: 0, its vocabulary, as every "
-                      "other leaf's first axis; 1, its features, as MaxText's FSDP rules do "
-                      "(default: %(default)s)")
   p.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE,
                  help="where compiled censuses are kept by program hash (default: %(default)s)")
   p.add_argument("--no-cache", action="store_true", help="compile every step again")
@@ -258,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = models.build_problem(name, "smoke" if args.smoke else args.preset, batch=args.batch)
     configs[name] = problem.config
     for variant in variants:
-      row = dict(model=name, **measure(variant, problem, mesh, cache, args.embedding_axis))
+      row = dict(model=name, **measure(variant, problem, mesh, cache))
       counts = row["counts"]
       print(f"{name:12s} {variant:16s} temp {_mib(row['temp_bytes']):>8s} MiB  "
             f"all-gather {counts.get('all-gather', 0):3d} ({_by_dtype(row['bytes'].get('all-gather', {}))})"
@@ -269,11 +257,9 @@ def main(argv: list[str] | None = None) -> int:
   bars = check_bars(rows, meaningful=not args.smoke)
   meta = report.meta(cli.command(PROG, argv), gpu_bench.CompiledFor(device),
                      args=cli.args_record(args))
-  result = dict(meta=meta, devices=args.devices, embedding_axis=args.embedding_axis,
-                target_device=device.device_kind,
+  result = dict(meta=meta, devices=args.devices, target_device=device.device_kind,
                 configs=configs, rows=rows, bars=bars)
-  stem = report.output_dir(args.out, args.smoke) / (
-      f"fsdp-census-h100x{args.devices}{'-embed1' if args.embedding_axis else ''}-{meta['date']}")
+  stem = report.output_dir(args.out, args.smoke) / f"fsdp-census-h100x{args.devices}-{meta['date']}"
   report.publish(result, stem, markdown(result))
   return report.bars_status(bars, args.strict)
 
