@@ -47,7 +47,7 @@ def weight_amaxes(paths: Sequence[Union[str, None]], leaves: Sequence[Any]) -> d
     if path is None or not hasattr(leaf, "dtype") or jnp.ndim(leaf) < 2:
       continue
     if jnp.issubdtype(leaf.dtype, jnp.floating):
-      found[path] = lax.stop_gradient(jnp.max(jnp.abs(leaf)))
+      found[path] = lax.stop_gradient(jnp.max(jnp.abs(leaf), initial=0))  # As _scale takes it.
   return found
 
 
