@@ -225,3 +225,34 @@ def test_a_program_larger_than_the_gpu_warns(monkeypatch):
     jmp.compile_for_gpu(f, w, x)
   monkeypatch.setattr(gpu_lib, "device_memory_bytes", lambda target: report.memory_bytes)
   assert jmp.compile_for_gpu(f, w, x).memory_bytes == report.memory_bytes  # Exactly fits.
+
+
+def test_topology_mesh_rejects_a_bad_device_count():
+  with pytest.raises(ValueError, match="devices must be an int >= 1, got 0"):
+    gpu_lib.topology_mesh("h100", 0)
+
+
+@needs_plugin
+def test_an_fsdp_fp8_step_for_8_h100s_gathers_its_weights_as_float8():
+  """Issue 44: the weights cast to float8 on their shards, with the amax known before the gather."""
+  from benchmarks import fsdp_census  # pylint: disable=import-outside-toplevel
+
+  def loss_fn(p, b):
+    h = jax.nn.relu(b["x"] @ p["w1"])
+    return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2)
+
+  params = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 128))}
+  batch = {"x": jnp.ones((64, 256)), "y": jnp.ones((64, 128))}
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True,
+                             fp8=jmp.Float8Recipe(min_size=0))
+  state = jax.eval_shape(lambda: jmp.TrainState.create(params=params, tx=optax.adam(1e-3)))
+  mesh = gpu_lib.topology_mesh("h100", 8)
+  report = jmp.compile_for_gpu(step, fsdp_census.fsdp_structs(state, mesh),
+                               fsdp_census.fsdp_structs(batch, mesh))
+  gathered: dict[str, int] = {}
+  for c in report.collectives:
+    if c.kind == "all-gather":
+      for dtype, n in c.bytes_by_dtype:
+        gathered[dtype] = gathered.get(dtype, 0) + n
+  assert gathered.get("f8e4m3fn", 0) >= 256 * 512 + 512 * 128, gathered  # Both weights, 1 byte each.
+  assert gathered.get("bf16", 0) < 256 * 512, gathered  # No weight in bf16.

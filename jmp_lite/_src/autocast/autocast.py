@@ -28,6 +28,7 @@ from jmp_lite._src.autocast import interpret as interp
 from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src import filtering
 from jmp_lite._src.fp8 import recipe as fp8_lib
+from jmp_lite._src.fp8 import known as fp8_known
 from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import tree_utils
 
@@ -306,10 +307,13 @@ def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Calla
 
     closed = _trace(traced_fun, traced, float32_program=params_first)
     leaves = jax.tree.leaves(traced)
-    plan = None
+    plan, amaxes = None, None
     if cfg.fp8 is not None:  # Which matmuls run in FP8: keep rules, sizes.
-      plan = fp8_plan.plan(closed.jaxpr, leaf_paths(args, kwargs, params_first), leaves, cfg.fp8)
-    with fp8_plan.active(plan):
+      paths = leaf_paths(args, kwargs, params_first)
+      plan = fp8_plan.plan(closed.jaxpr, paths, leaves, cfg.fp8)
+      if params_first:  # The weights' amaxes, before their gathers (issue 44).
+        amaxes = fp8_known.weight_amaxes(paths, leaves)
+    with fp8_plan.active(plan), fp8_known.known(amaxes):
       outs = interp.eval_closed(closed, leaves, cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jmp_lite._src.autocast import interpret as interp
 from jmp_lite._src.fp8 import dot as fp8_dot
+from jmp_lite._src.fp8 import known as fp8_known
 from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 
@@ -55,10 +56,14 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
   if interp.value_dtype(lhs) != cfg.dtype or interp.value_dtype(rhs) != cfg.dtype:
     return None
   params = interp.retarget(eqn, cfg.dtype)
+  # An operand that holds a weight's values is quantised with the weight's amax,
+  # taken before the matmul: under FSDP its float8 cast runs before the gather.
+  sources = fp8_plan.exact_sources(eqn)
   out = fp8_dot.fp8_dot_general(
       lhs, rhs, params["dimension_numbers"], recipe=recipe,
       precision=params.get("precision"),
-      preferred_element_type=params.get("preferred_element_type"))
+      preferred_element_type=params.get("preferred_element_type"),
+      amaxes=(fp8_known.amax_of(sources[0], lhs), fp8_known.amax_of(sources[1], rhs)))
   chosen = fp8_plan.run_time_choice(eqn)
   if chosen is not None:  # fp8_sensitivity: FP8 only if this is the matmul it measures.
     which, index = chosen

@@ -100,10 +100,33 @@ def _topology_sharding(target: str) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+@functools.lru_cache(maxsize=None)
+def topology_mesh(target: str, devices: int, axis: str = "fsdp") -> jax.sharding.Mesh:
+  """A one-axis mesh (named ``axis``) of ``devices`` GPUs of ``target`` on one host, not present.
+
+  Place the arguments of :func:`compile_for_gpu` on it (``jax.ShapeDtypeStruct``s
+  with a ``NamedSharding`` of this mesh) to compile a sharded step.
+
+  Raises:
+    ValueError: ``target`` is unknown, or ``devices`` is not a positive int.
+    RuntimeError: the CUDA plugin is missing, or its platform did not start.
+  """
+  if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+    raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+  topology_sharding(target)  # Validates the target and the plugin.
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+
+  topology = topologies.get_topology_desc(
+      platform="cuda", target_config=GPU_TARGETS[target].read_text(), topology=f"1x1x{devices}")
+  return topologies.make_mesh(topology, (devices,), (axis,))
+
+
 def _placed(args: tuple[Any, ...], sharding: jax.sharding.NamedSharding) -> Any:
   """``args`` with every array (or ``ShapeDtypeStruct``) leaf a struct placed by ``sharding``."""
 
   def struct(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+      return x  # Placed by the caller (on a topology mesh of several GPUs).
     if hasattr(x, "shape") and hasattr(x, "dtype"):
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return x
@@ -164,6 +187,8 @@ class GpuCompileReport:
     output_bytes: the bytes of its outputs.
     alias_bytes: the output bytes that reuse donated input buffers.
     ops: every GEMM and convolution, in program order.
+    collectives: every collective (all-gather, all-reduce, ...), in program
+      order, with its result bytes per device by dtype (none on one GPU).
 
   A GEMM inside a loop counts once (instructions, not executions).
   :attr:`memory_bytes` is what the program needs on the device at once.
@@ -178,6 +203,7 @@ class GpuCompileReport:
   output_bytes: int
   alias_bytes: int
   ops: tuple[hlo_census.Op, ...]
+  collectives: tuple[hlo_census.Collective, ...] = ()
 
   @property
   def memory_bytes(self) -> int:
@@ -262,7 +288,8 @@ def compile_for_gpu(step: Callable[..., Any], *args: Any, target: str = "h100",
   """
   compiled = compile_placed(step, args, target, compiler_options)
   mem = compiled.memory_analysis()
-  ops = hlo_census.census(compiled.as_text())
+  text = compiled.as_text()
+  ops = hlo_census.census(text)
   report = GpuCompileReport(
       target=target,
       device_kind=topology_sharding(target).mesh.devices.flat[0].device_kind,
@@ -272,7 +299,8 @@ def compile_for_gpu(step: Callable[..., Any], *args: Any, target: str = "h100",
       argument_bytes=int(mem.argument_size_in_bytes),
       output_bytes=int(mem.output_size_in_bytes),
       alias_bytes=int(mem.alias_size_in_bytes),
-      ops=tuple(ops))
+      ops=tuple(ops),
+      collectives=tuple(hlo_census.collectives(text)))
   _warn_if_too_big(report)
   return report
 

@@ -90,6 +90,7 @@ class Instr:
   kind: str | None
   computation: str
   contracting: tuple[int, ...] = ()
+  rest: str = ""
 
 
 def _element_type(type_text: str) -> str:
@@ -118,7 +119,8 @@ def instructions(hlo_text: str) -> Iterator[Instr]:
     contracting = tuple(int(d.strip('" ')) for d in (dims.group(1) or dims.group(2) or "").split(",")
                         if d.strip('" ')) if dims else ()
     yield Instr(name, type_text, opcode, _OPERANDS.findall(args), calls and calls.group(1),
-                 target and target.group(1), kind and kind.group(1), computation, contracting)
+                 target and target.group(1), kind and kind.group(1), computation, contracting,
+                 rest)
 
 
 def census(hlo_text: str) -> list[Op]:
@@ -177,6 +179,127 @@ def census(hlo_text: str) -> list[Op]:
       kind = "gemm" if i.opcode == "dot" else "conv"
       ops.append(Op(runner_of(i.computation), dtype(i, 0), dtype(i, 1), i.name, kind))
   return ops
+
+
+# Bytes per element of the HLO element types a collective carries.
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                  "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                  **{f: 1 for f in FLOAT8}}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a compiled program: its kind and the bytes of its results, by dtype.
+
+  Attributes:
+    kind: ``"all-gather"``, ``"all-reduce"``, ``"reduce-scatter"``, ``"all-to-all"``,
+      ``"collective-permute"`` or ``"collective-broadcast"`` (an async ``-start``
+      counts as its collective; its ``-done`` is not counted again).
+    name: the instruction's name.
+    bytes_by_dtype: ``((dtype, bytes), ...)``: what one device holds as the
+      collective's results (an all-gather's gathered arrays, an all-reduce's
+      reduced ones), per element type, in the order the results come.
+    reduction: what a reducing collective applies (its ``to_apply``
+      computation's root opcode: ``"maximum"`` for an amax, ``"add"`` for a
+      sum), ``""`` for the others.
+  """
+
+  kind: str
+  name: str
+  bytes_by_dtype: tuple[tuple[str, int], ...]
+  reduction: str = ""
+
+  @property
+  def bytes(self) -> int:
+    """All its result bytes."""
+    return sum(n for _, n in self.bytes_by_dtype)
+
+
+def _top_level(type_text: str) -> list[str]:
+  """The elements of a tuple type (``(a, (b, c))`` -> ``["a", "(b, c)"]``); a non-tuple: itself."""
+  if not type_text.startswith("("):
+    return [type_text]
+  parts, depth, start = [], 0, 1
+  for k, ch in enumerate(type_text):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(type_text[start:k].strip())
+      start = k + 1
+  return [p for p in parts if p]
+
+
+def _result_bytes(opcode: str, type_text: str) -> tuple[tuple[str, int], ...]:
+  """The results' bytes by dtype: an async start's type holds its operands, then its results."""
+  parts = _top_level(type_text)
+  if opcode == "collective-permute-start" and len(parts) >= 2:
+    parts = parts[1:2]
+  elif opcode == "all-gather-start" and len(parts) >= 2:
+    parts = parts[len(parts) // 2:]
+  found: dict[str, int] = {}
+  for dtype, dims in _SHAPE.findall(" ".join(parts)):
+    count = 1
+    for d in filter(None, dims.split(",")):
+      count *= int(d)
+    found[dtype] = found.get(dtype, 0) + count * _ELEMENT_BYTES.get(dtype, 0)
+  return tuple(found.items())
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective of an optimised HLO module, in program order.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of an SPMD-partitioned XLA program.
+
+  Returns:
+    A list of :class:`Collective` (a collective in a loop body counts once).
+
+  Examples:
+    >>> text = '''
+    ... ENTRY %main (a: f8e4m3fn[4,16], b: f32[]) -> f32[] {
+    ...   %a = f8e4m3fn[4,16]{1,0} parameter(0)
+    ...   %b = f32[] parameter(1)
+    ...   %g = (f8e4m3fn[4,16]{1,0}, f8e4m3fn[32,16]{1,0}) all-gather-start(%a), dimensions={0}
+    ...   %d = f8e4m3fn[32,16]{1,0} all-gather-done(%g)
+    ...   ROOT %r = f32[] all-reduce(%b), to_apply=%max
+    ... }
+    ... %max (x: f32[], y: f32[]) -> f32[] {
+    ...   %x = f32[] parameter(0)
+    ...   %y = f32[] parameter(1)
+    ...   ROOT %m = f32[] maximum(%x, %y)
+    ... }
+    ... '''
+    >>> [(c.kind, c.bytes_by_dtype, c.reduction) for c in collectives(text)]
+    [('all-gather', (('f8e4m3fn', 512),), ''), ('all-reduce', (('f32', 4),), 'maximum')]
+  """
+  instrs = list(instructions(hlo_text))
+  roots = _roots(hlo_text)
+  found = []
+  for i in instrs:
+    kind = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode
+    if kind in COLLECTIVES:
+      applied = _TO_APPLY.search(i.rest)
+      found.append(Collective(kind, i.name, _result_bytes(i.opcode, i.type),
+                              roots.get(applied.group(1), "?") if applied else ""))
+  return found
+
+
+def _roots(hlo_text: str) -> dict[str, str]:
+  """Each computation's root opcode."""
+  roots, computation = {}, ""
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+    elif line.lstrip().startswith("ROOT "):
+      match = _INSTRUCTION.match(line)
+      if match:
+        roots[computation] = match.group(3)
+  return roots
 
 
 def summary(ops: list[Op]) -> dict[str, object]:

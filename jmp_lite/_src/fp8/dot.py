@@ -47,10 +47,14 @@ def _wide(dtype: Any) -> np.dtype[Any]:
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))  # One dispatch, not twenty, when eager.
 def _scale(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
-           axes: tuple[int, ...]) -> jax.Array:
+           axes: tuple[int, ...], amax: Any = None) -> jax.Array:
+  """The scale of ``x`` over ``axes``; ``amax``, when given, is ``x``'s (known before, issue 44)."""
   wide = _wide(x.dtype)
   info = jnp.finfo(wide)
-  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0).astype(wide)  # exact
+  if amax is None:
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
+  amax = jnp.broadcast_to(amax, [1 if d in axes else n for d, n in enumerate(x.shape)])
+  amax = amax.astype(x.dtype).astype(wide)  # exact
   s = amax * np.asarray(2.0 ** margin / float(jnp.finfo(fmt).max), wide)
   if power_of_two:  # The smallest power of two >= s.
     mantissa, exponent = jnp.frexp(s)
@@ -63,8 +67,8 @@ def _scale(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _quantize(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
-              axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-  s = _scale(x, fmt, margin, power_of_two, axes)
+              axes: tuple[int, ...], amax: Any = None) -> tuple[jax.Array, jax.Array]:
+  s = _scale(x, fmt, margin, power_of_two, axes, amax)
   fmax = np.asarray(jnp.finfo(fmt).max, s.dtype)
   q = lax.clamp(-fmax, x.astype(s.dtype) * (1 / s), fmax)
   return q.astype(fmt), s
@@ -213,9 +217,10 @@ def _contracting_axes(ndim: int, contracting: Sequence[int], recipe: Float8Recip
   return tuple(contracting) if recipe.rowwise else tuple(range(ndim))
 
 
-def _q(x: jax.Array, fmt: Any, recipe: Float8Recipe, contracting: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+def _q(x: jax.Array, fmt: Any, recipe: Float8Recipe, contracting: Sequence[int],
+       amax: Any = None) -> tuple[jax.Array, jax.Array]:
   return _quantize(x, np.dtype(fmt), recipe.margin, recipe.power_of_two,
-                   _contracting_axes(x.ndim, contracting, recipe))
+                   _contracting_axes(x.ndim, contracting, recipe), amax)
 
 
 def _transposed(dims: Dims, lhs_ndim: int, rhs_ndim: int,
@@ -242,29 +247,32 @@ def _transposed(dims: Dims, lhs_ndim: int, rhs_ndim: int,
   return gemm, tuple(result.index(d) for d in range(lhs_ndim))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fp8_dot(lhs: jax.Array, rhs: jax.Array, dims: Dims, recipe: Float8Recipe, precision: Any,
-             out: np.dtype[Any]) -> jax.Array:
-  return _fp8_dot_fwd(lhs, rhs, dims, recipe, precision, out)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_dot(lhs: jax.Array, rhs: jax.Array, amaxes: Any, dims: Dims, recipe: Float8Recipe,
+             precision: Any, out: np.dtype[Any]) -> jax.Array:
+  return _fp8_dot_fwd(lhs, rhs, amaxes, dims, recipe, precision, out)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))  # One dispatch when eager.
-def _fp8_dot_fwd(lhs: jax.Array, rhs: jax.Array, dims: Dims, recipe: Float8Recipe, precision: Any,
-                 out: np.dtype[Any]) -> tuple[jax.Array, Any]:
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))  # One dispatch when eager.
+def _fp8_dot_fwd(lhs: jax.Array, rhs: jax.Array, amaxes: Any, dims: Dims, recipe: Float8Recipe,
+                 precision: Any, out: np.dtype[Any]) -> tuple[jax.Array, Any]:
   (lc, rc), _ = dims
-  q_l, q_r = _q(lhs, recipe.forward, recipe, lc), _q(rhs, recipe.forward, recipe, rc)
+  q_l = _q(lhs, recipe.forward, recipe, lc, amaxes[0])
+  q_r = _q(rhs, recipe.forward, recipe, rc, amaxes[1])
   product = _scaled_dot(q_l, q_r, dims, precision, out)
   # Tensorwise, the backward GEMMs reuse the float8 operands (half the bytes of
   # the half-dtype ones); rowwise, they rescale along other dims and requantise.
   # The operands' dtype travels as a zero-size array (residuals are arrays).
   residuals = (lhs, rhs) if recipe.rowwise else (q_l, q_r, jnp.zeros((0,), lhs.dtype))
-  return product, residuals
+  return product, (residuals, amaxes)
 
 
 def _fp8_dot_bwd(dims: Dims, recipe: Float8Recipe, precision: Any, out: np.dtype[Any],
-                 residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 saved: Any, g: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
   del out
-  return _first_order(_backward_gemms, dims, recipe, precision)(residuals, g)
+  residuals, amaxes = saved
+  d_lhs, d_rhs = _first_order(_backward_gemms, dims, recipe, precision)(residuals, g)
+  return d_lhs, d_rhs, jax.tree.map(jnp.zeros_like, amaxes)  # Amaxes carry no gradient.
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))  # One dispatch when eager.
@@ -303,7 +311,8 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: DotDimensionNumbers, *,
                     recipe: Float8Recipe, precision: Any = None,
-                    preferred_element_type: DTypeLike | None = None) -> jax.Array:
+                    preferred_element_type: DTypeLike | None = None,
+                    amaxes: tuple[ArrayLike | None, ArrayLike | None] = (None, None)) -> jax.Array:
   """``lax.dot_general`` as an FP8 GEMM: float8 operands, scales applied to the product.
 
   Forward: each operand is quantised to ``recipe.forward`` with its own scale
@@ -334,6 +343,12 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: DotDimens
     precision: as for ``lax.dot_general``.
     preferred_element_type: the result dtype (default the operands' dtype);
       the gradients have the operands' dtype whatever it is.
+    amaxes: ``(lhs amax, rhs amax)``, each ``None`` (reduce the operand, the
+      default) or a scalar known before the matmul, ``max|operand|`` (per
+      tensor; ignored with rowwise scaling): the quantisation reads it instead
+      of reducing the operand, so that under sharding the float8 cast runs on
+      each shard, before the gather (issue 44). It is rounded to the operand's
+      dtype and carries no gradient.
 
   Returns:
     The product, of dtype ``preferred_element_type`` or the operands' dtype.
@@ -363,8 +378,10 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: DotDimens
                     f"{lhs.dtype.name} and {rhs.dtype.name}")
   out = np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
   dims = _dimension_numbers(dimension_numbers)
+  known = tuple(None if a is None or recipe.rowwise else lax.stop_gradient(jnp.asarray(a))
+                for a in amaxes)
   try:
-    return _fp8_dot(lhs, rhs, dims, recipe, precision, out)
+    return _fp8_dot(lhs, rhs, known, dims, recipe, precision, out)
   except TypeError as e:
     if "forward-mode" in str(e):
       raise TypeError(_FORWARD_MODE_MSG) from e

@@ -48,6 +48,9 @@ _ELEMENTWISE = frozenset({
     "clamp", "integer_pow", "square", "sqrt", "rsqrt", "pow",
 })
 
+# Bodies whose inputs are slices, carries or shards of what is passed in.
+_INEXACT_BODIES = frozenset({"scan", "while", "shard_map", "xla_pmap"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
@@ -62,6 +65,11 @@ class Matmul:
     reads: every argument path an operand comes from, element-wise ops on
       it included (``w`` for ``x @ (w / norm(w))``, ``x @ (w * mask)``,
       ``x @ (w + a @ b)``): what keep rules test.
+    exact: for the lhs and the rhs, the argument leaf whose values it holds
+      (up to layout and rounding), or ``None``: a source followed through
+      pass ops outside loop and ``shard_map`` bodies only, where an operand
+      may be a slice, a shard or a later carry of the leaf. Its amax is the
+      leaf's, rounded (issue 44).
   """
 
   index: int
@@ -69,6 +77,7 @@ class Matmul:
   sources: tuple[tuple[str, ...], tuple[str, ...]]
   shape: tuple[int, int, int, int]
   reads: tuple[str, ...] = ()
+  exact: tuple[Union[str, None], Union[str, None]] = (None, None)
 
   @property
   def paths(self) -> tuple[str, ...]:
@@ -80,12 +89,15 @@ class _Src(NamedTuple):
   """Where a value comes from: through pass ops (``paths``), also element-wise ones (``reads``).
 
   ``whole`` is false for a broadcast value (a bias, a norm's scale spread
-  over the activations), which element-wise ops do not follow.
+  over the activations), which element-wise ops do not follow. ``exact`` is
+  false inside a body whose inputs may not be the values passed in (a loop's
+  slices and carries, a ``shard_map``'s shards).
   """
 
   paths: tuple[str, ...] = ()
   reads: tuple[str, ...] = ()
   whole: bool = True
+  exact: bool = True
 
 
 _NONE = _Src()
@@ -180,8 +192,10 @@ def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] =
     outs: list[_Src] = [_NONE] * len(eqn.outvars)
     if name == "dot_general":
       reads = tuple(dict.fromkeys(ins[0].reads + ins[1].reads))
+      exact = tuple(x.paths[0] if x.exact and len(x.paths) == 1 else None for x in ins[:2])
       found.append((site + (id(eqn),), eqn, Matmul(
-          len(found), _name(eqn), (ins[0].paths, ins[1].paths), _dims(eqn), reads)))
+          len(found), _name(eqn), (ins[0].paths, ins[1].paths), _dims(eqn), reads,
+          exact)))  # type: ignore[arg-type]
     elif name in _PASS and eqn.invars:
       spread = name == "broadcast_in_dim" and (
           math.prod(eqn.outvars[0].aval.shape) != math.prod(eqn.invars[0].aval.shape))
@@ -190,7 +204,10 @@ def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] =
       outs = [_elementwise(eqn, ins)]
     subs = list(jaxpr_utils.subjaxprs(eqn))
     for k, sub in enumerate(subs):
-      sub_outs = _walk(sub, _sub_inputs(eqn, sub, k, ins), found, site + (id(eqn),))
+      sub_ins = _sub_inputs(eqn, sub, k, ins)
+      if name in _INEXACT_BODIES:
+        sub_ins = [x._replace(exact=False) for x in sub_ins]
+      sub_outs = _walk(sub, sub_ins, found, site + (id(eqn),))
       if len(subs) == 1 and len(sub_outs) == len(eqn.outvars) and name != "scan":
         outs = sub_outs  # A call's outputs are its body's.
     env.update(zip(eqn.outvars, outs))
@@ -367,6 +384,20 @@ def decide(eqn: Any, recipe: Float8Recipe) -> bool:
     unplanned = _UNPLANNED.get()
     return p.which is None if unplanned is None else unplanned
   return m.index not in p.kept
+
+
+def exact_sources(eqn: Any) -> tuple[Union[str, None], Union[str, None]]:
+  """The argument leaves whose values ``eqn``'s operands hold (see :attr:`Matmul.exact`), or ``None``s.
+
+  Only for a matmul at the top level of the traced function: autocast may
+  trace a higher-order equation's body on its own (a nested jit, cached),
+  where a value taken outside it would be a constant of another trace.
+  """
+  p = _ACTIVE.get()
+  if p is None or _SITE.get():
+    return (None, None)
+  m = p.matmuls.get(_SITE.get() + (id(eqn),))
+  return (None, None) if m is None else m.exact
 
 
 def run_time_choice(eqn: Any) -> Union[tuple[Any, int], None]:

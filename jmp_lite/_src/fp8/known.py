@@ -1,0 +1,77 @@
+"""The weights' amaxes, known before their matmuls: FP8 weights cast before the gather (issue 44).
+
+Under FSDP each weight is sharded and XLA's SPMD partitioner gathers it where
+a matmul uses it. Per-tensor current scaling needs the weight's amax first,
+and the amax of a sharded weight is a cross-device reduction: one tiny
+all-reduce per weight use, and a float8 cast that XLA may place after the
+gather (which then carries half-precision bytes).
+
+:func:`weight_amaxes` takes the amax of every weight matrix of the params at
+the top of the step, all in one computation (XLA combines their all-reduces),
+with no gradient. While :func:`known` is active, autocast's FP8 rule quantises
+an operand that holds a weight's values (:func:`jmp_lite._src.fp8.plan.exact_sources`)
+with that amax, rounded to the operand's dtype, instead of reducing the
+operand: ``clip(w / s).astype(float8)`` is then element-wise on each shard,
+so the gather carries float8. Rounding is monotone, so the rounded amax is
+the amax of the rounded weight, and the float8 values are bit for bit those
+of casting after the gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Mapping, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_KNOWN: contextvars.ContextVar[Union[Mapping[str, jax.Array], None]] = contextvars.ContextVar(
+    "jmp_lite_fp8_known_amaxes", default=None)
+
+
+def weight_amaxes(paths: Sequence[Union[str, None]], leaves: Sequence[Any]) -> dict[str, jax.Array]:
+  """``{path: max|leaf|}`` for every floating leaf of two or more dims, in its own dtype, no gradient.
+
+  Leaves that no FP8 matmul reads cost nothing: XLA drops unused amaxes.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> amaxes = weight_amaxes(["w", "b", None], [jnp.array([[1.0, -3.0]]), jnp.ones(2), jnp.ones((2, 2))])
+    >>> {k: float(v) for k, v in amaxes.items()}
+    {'w': 3.0}
+  """
+  found = {}
+  for path, leaf in zip(paths, leaves):
+    if path is None or not hasattr(leaf, "dtype") or jnp.ndim(leaf) < 2:
+      continue
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      found[path] = lax.stop_gradient(jnp.max(jnp.abs(leaf), initial=0))  # As _scale takes it.
+  return found
+
+
+@contextlib.contextmanager
+def known(amaxes: Union[Mapping[str, jax.Array], None]) -> Iterator[None]:
+  """Makes ``amaxes`` (by argument path) the ones :func:`amax_of` reads while the block runs."""
+  token = _KNOWN.set(amaxes)
+  try:
+    yield
+  finally:
+    _KNOWN.reset(token)
+
+
+def amax_of(path: Union[str, None], operand: Any) -> Union[jax.Array, None]:
+  """The known amax of the leaf at ``path``, in ``operand``'s dtype, or ``None`` if none is known.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> w = jnp.array([[1.0, -3.0001]])
+    >>> with known(weight_amaxes(["w"], [w])):
+    ...   amax_of("w", w.astype(jnp.bfloat16)).tolist(), amax_of("v", w)
+    (3.0, None)
+  """
+  amaxes = _KNOWN.get()
+  if path is None or amaxes is None or path not in amaxes:
+    return None
+  return amaxes[path].astype(operand.dtype)

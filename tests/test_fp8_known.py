@@ -1,0 +1,104 @@
+"""The weights' amaxes known before their matmuls (issue 44), on one device.
+
+The multi-device behaviour (the cast before the gather, bit for bit) is in
+``tests/test_fsdp_fp8.py``; what the wire carries, in ``benchmarks.fsdp_census``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jmp
+from conftest import assert_bitwise_equal
+from jmp_lite._src.autocast import autocast as autocast_lib
+from jmp_lite._src.fp8 import known as fp8_known
+from jmp_lite._src.fp8 import dot as fp8_dot
+from jmp_lite._src.fp8 import plan as fp8_plan
+
+RECIPE = jmp.Float8Recipe(min_size=0)
+DN = (((1,), (0,)), ((), ()))
+
+
+def _exact(f, *args):
+  closed = jax.make_jaxpr(f)(*args)
+  paths = [f"a{k}" for k in range(len(closed.jaxpr.invars))]
+  return [m.exact for _, m in fp8_plan.matmuls(closed.jaxpr, paths)]
+
+
+def test_an_operand_holds_its_leaf_through_casts_and_transposes_only():
+  w, x = jnp.ones((8, 4)), jnp.ones((3, 8))
+  assert _exact(lambda w, x: x @ w.astype(jnp.bfloat16).astype(jnp.float32), w, x) == [("a1", "a0")]
+  assert _exact(lambda w, x: x @ jax.jit(lambda v: v.T.T)(w), w, x) == [("a1", "a0")]
+  assert _exact(lambda w, x: x @ (w * 2.0), w, x) == [("a1", None)]  # Not the leaf's values.
+
+
+def test_inside_a_scan_or_a_while_the_operand_is_a_slice_or_a_carry():
+  ws, x = jnp.ones((2, 8, 8)), jnp.ones((3, 8))
+
+  def stacked(ws, x):
+    return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+
+  def looped(w, x):
+    return jax.lax.fori_loop(0, 2, lambda i, c: (c[0] @ c[1], c[1] * 2.0), (x, w))[0]
+
+  assert _exact(stacked, ws, x) == [(None, None)]
+  assert _exact(looped, ws[0], x) == [(None, None)]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_known_amax_gives_the_product_and_gradients_bit_for_bit(jit):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  x = (jax.random.normal(k1, (16, 32)) * 3).astype(jnp.bfloat16)
+  w = (jax.random.normal(k2, (32, 8)) * jnp.logspace(-2, 2, 8)).astype(jnp.bfloat16)
+
+  def loss(x, w, amax):
+    out = fp8_dot.fp8_dot_general(x, w, DN, recipe=RECIPE, amaxes=(None, amax))
+    return jnp.sum(out.astype(jnp.float32) * jnp.arange(8.0))
+
+  grad = jax.value_and_grad(loss, (0, 1))
+  grad = jax.jit(grad) if jit else grad
+  master_amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
+  assert_bitwise_equal(grad(x, w, master_amax), grad(x, w, None))
+  # The amax is what the quantisation reads: a larger one moves the product.
+  assert float(grad(x, w, 4 * master_amax)[0]) != float(grad(x, w, None)[0])
+
+
+def test_the_step_autocast_quantises_its_arguments_with_the_amaxes_taken_before(monkeypatch):
+  w = jnp.array(np.linspace(-2.0, 3.0, 64).reshape(8, 8), jnp.float32)
+  x = jnp.full((4, 8), -0.5, jnp.float32)
+  seen = []
+  original = fp8_known.amax_of
+
+  def spy(path, operand):
+    found = original(path, operand)
+    seen.append((path, None if found is None else float(found)))
+    return found
+
+  monkeypatch.setattr(fp8_known, "amax_of", spy)
+  f = autocast_lib.step_autocast(lambda p, x: (x @ p["w"]).sum(), jnp.bfloat16, RECIPE)
+  out = f({"w": w.astype(jnp.bfloat16)}, x.astype(jnp.bfloat16))
+  assert sorted(seen) == [("1", 0.5), ("w", 3.0)], seen  # The batch's too: known before.
+  plain = jmp.autocast(lambda w, x: (x @ w).sum(), jnp.bfloat16, fp8=RECIPE)(w, x)
+  assert float(out) == float(plain)
+
+
+def test_a_step_whose_layers_call_a_jitted_helper_trains_and_retraces():
+  # Autocast traces a nested jit's body on its own: an amax taken outside it
+  # would be a constant of another trace (it was: "No constant handler").
+  dense = jax.jit(lambda w, x: jnp.tanh(x @ w))
+
+  def loss_fn(p, b):
+    return jnp.mean(dense(p["w2"], dense(p["w1"], b["x"])).astype(jnp.float32) ** 2)
+
+  params = {"w1": jnp.full((16, 16), 0.1), "w2": jnp.full((16, 16), -0.2)}
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True, fp8=RECIPE)
+  state = jmp.TrainState.create(params=params, tx=optax.adam(1e-2))
+  losses = []
+  for n in (8, 4, 8):  # A second shape: a second trace.
+    state, metrics = step(state, {"x": jnp.linspace(-1, 1, n * 16).reshape(n, 16)})
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)) and losses[2] < losses[0], losses
