@@ -38,8 +38,9 @@ def test_persistent_bytes_from_shapes_only():
   assert adamw["params"] == int8["params"] == n
   assert adamw["persistent_bytes"] == 12 * n + 8  # Adam's count and the step
   # bf16 masters (2) + int8 mu and uint8 nu (1 + 1) + one float32 scale per 256 (x2); the
-  # 64 biases (under min_size) keep float32 moments; the rounding key (8 bytes).
-  assert int8["persistent_bytes"] == 2 * n + 2 * 64 * 256 + 2 * 4 * 64 + 8 * 64 + 8 + 8
+  # 64 biases (under min_size) keep float32 moments; the rounding key (8 bytes); the codes'
+  # update count (4 bytes, which seeds their rounding).
+  assert int8["persistent_bytes"] == 2 * n + 2 * 64 * 256 + 2 * 4 * 64 + 8 * 64 + 8 + 8 + 4
 
 
 @pytest.mark.slow

@@ -143,16 +143,18 @@ def _mix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def _low_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
-  """Uniform ``uint32`` values in ``[0, 2**16)``, one per element of ``shape``.
+def hashed_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+  """Uniform ``uint32`` values, one per element of ``shape``: ``mix32(flat_index ^ seed)``.
 
-  ``mix32(flat_index ^ seed)``, top 16 bits. For a uniformly random ``seed``
-  (from ``jax.random.bits``), ``flat_index ^ seed`` is uniform for every
-  element, and ``mix32`` is a bijection: each element's bits are exactly
-  uniform and independent from one seed to the next, whatever the hash's
-  quality. The hash decorrelates neighbouring elements that share a seed.
-  It is a few integer ops per element, fused into the update: XLA:CPU's
-  threefry costs more than the whole train step.
+  For a uniformly random ``seed`` (from ``jax.random.bits``, or itself a
+  hash of a step and a leaf number), ``flat_index ^ seed`` is uniform for
+  every element, and ``mix32`` is a bijection: each element's bits are
+  exactly uniform and independent from one seed to the next, whatever the
+  hash's quality. The hash decorrelates neighbouring elements that share a
+  seed. It is a few integer ops per element, fused into the update: XLA:CPU's
+  threefry costs more than the whole train step. The one counter-based hash
+  of the library: stochastic rounding to bfloat16 here and of the 8-bit
+  optimizer state (:mod:`jmp_lite._src.optim.codes`) both draw from it.
   """
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
@@ -160,7 +162,12 @@ def _low_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
     iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
     index = index + iota * np.uint32(stride % 2**32)
     stride *= shape[axis]
-  return _mix32(index ^ seed) >> 16
+  return _mix32(index ^ seed)
+
+
+def _low_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+  """Uniform ``uint32`` values in ``[0, 2**16)``: :func:`hashed_bits`' top 16 bits."""
+  return hashed_bits(shape, seed) >> 16
 
 
 def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:

@@ -1,55 +1,79 @@
 """Block-wise 8-bit codes: arithmetic encoders and decoders, one float32 scale per block.
 
-Every code here is a few element-wise operations and one reduction (the
-block's maximum), so XLA fuses the decode into the optimizer update and the
-encode after it: no table, no ``searchsorted``, no gather. A block is
-``block_size`` consecutive elements (see :mod:`jmp_lite._src.optim.quantize`).
+Every code here is a few element-wise operations and two reductions (the
+block's largest magnitude and its smallest value), so XLA fuses the decode
+into the optimizer update and the encode after it: no table, no
+``searchsorted``, no gather. A block is ``block_size`` consecutive elements
+(see :mod:`jmp_lite._src.optim.quantize`). Codes are stored as uint8.
 
-Three codes: two for signed state, one for non-negative state::
+**The sign comes from the values, per block, at every encode.** A block
+with a negative value is coded with the format's signed code; a block of
+non-negative values (a second moment, a sum of squares, or a momentum that
+happens to be positive there) with the finer non-negative code. The mode
+costs no byte: it is the sign of the block's float32 scale ``a`` (its
+largest ``|x|``)::
 
-  int8,   signed        q = round(127 * sign(x) * sqrt(|x| / a))      int8    a = max |x|
-                        x = a * (q/127) * |q/127|
-  float8, signed        q = e4m3(x * 448 / a)                       e4m3    a = max |x|
-                        x = q * a / 448
-  non-negative          y = sqrt(x) / b,  b = max sqrt(x)           uint8   (either format)
-                        y = q/255                                   q >= 48  (y >= y0 = 0.188)
-                        y = y0 (q/48)**8                            q < 48, rounded up
-                        x = (b * y)**2
+  int8,   signed    x = a * t |t|,  t = int8(q) / 127            (scale -a)
+  float8, signed    x = a * e4m3(q) / 448                        (scale -a)
+  non-negative      x = a * r(q)**2                              (scale +a)
+                    r(q) = min(q / 255, B(q), A(q))
+                    B(q) = f32_bits(q * 2**20 + kB),  A(q) = f32_bits(q * 2**21 + kA)
 
-The signed int8 code is companded (square root), so that small momenta keep
-a few bits of relative precision down to ``a / 127**2``. Non-negative state
-(Adam's second moment ``v``) is coded on ``sqrt(v)``, what the update divides
-by, in two pieces that share the code's 256 values:
+``r`` is ``sqrt(x / a)``: linear from code 120 (0.47) to 255, with steps of
+0.39-0.83%; below, ``B`` reads ``q`` as float32 bits with 3 mantissa bits
+(8 codes an octave, steps of 6-12.5%) down to 0.029 at code 88, and ``A``
+with 2 (4 codes an octave, steps of 12-25%) down to 8.4e-9 at code 1:
+``v`` from the block's largest down to 7e-17 of it. Code 0 is 0. ``kB`` and
+``kA`` make the pieces meet at codes 120 and 88; each piece lies under
+the others in its range, so the minimum picks it.
 
-- **the top of the block** (``y`` from 0.188 to 1, codes 48 to 255), linear,
-  with steps of 0.39% at the top and 2.1% at its foot. Adam's parameter drift
-  follows this step almost linearly: the block's scale moves every step, so
-  each step's rounding error is new, and ``v``'s moving average adds them up,
-  about ``1 / sqrt(1 - b2**2) = 22x`` one step's error for ``b2 = 0.999``.
-  Codes ``(q/255)**p`` with powers 3, 2, 1.5 and 1.25 drifted 3.8%, 2.1%,
-  1.5% and 1.2% from float32 AdamW on the oracle benchmark's MLP (``v``
-  coded alone); 3 was this code's first version.
-- **the tail** (codes 1 to 47, ``y`` below 0.188, steps of 18% at its top,
-  24% at 1e-2, 45% at 1e-4, 100% at 1e-6), rounded **up**. A block that mixes
-  gradients of 1 and 1e-6 holds ``sqrt(v)`` from 1 to 1e-6; a code that
-  rounds the small ones to zero (torchao's ``AdamW8bit``) or well below
-  their value makes the next update divide a fresh momentum by too little, up
-  to ``(1 - b1) / sqrt(1 - b2) = 3.2`` learning rates once bias correction has
-  faded. Rounded to the nearest code, the tail's errors add up in ``v``'s
-  moving average like the top's but in coarse steps, and Adam's steps
-  reached 1.6x float32's largest. Rounded up, the largest step stays within
-  1.10x float32's at every ratio measured (0.2 to 1e-6). The slack (a value
-  within a tenth of a code above one keeps that code) matters: rounded
-  strictly up, every small fall of the block's scale moved the tail up a
-  code, and its ``sqrt(v)`` settled at 2.9x float32's (steps a third of
-  float32's); with the slack, at 1.1-1.4x (``tests/test_quantize_state.py``).
+**Rounding is stochastic and unbiased**: each value is coded as one of its
+two neighbouring codes, the upper one with the probability that makes
+``E[decode(encode(x))] = x`` (for the non-negative code, in ``x``, not in
+its square root). Round to the nearest code has fixed points: an
+exponential moving average whose change in a step is under half a code
+keeps its code for ever, so a momentum whose gradient became 0 kept moving
+(int8 codes 1-9 are fixed points of a 0.9 decay) and a coded ``v`` never
+forgot a large gradient (steps 79x float32 Adam's smaller after a 100x
+drop). Unbiased, a moving average follows its input on average, and 0 is
+the only fixed point of a decay. The draws (24 bits) are a Weyl sequence per element
+(:func:`jmp_lite._src.optim.quantize.dither`): a random phase from
+:func:`jmp_lite._src.masters.hashed_bits`, the counter-based hash of each
+element's index that stochastic bfloat16 rounding uses (seeded by the
+leaf's number), advanced by 2**32 over the golden ratio at each update.
+Each draw is uniform, so the rounding is unbiased; along the updates an
+element's draws are spread evenly, so its rounding errors do not add up as
+a random walk in a moving average (on a block of gradients of 1 and 6.7e-8,
+Adam's largest step fell from 2.2x float32's with independent draws to 1.9x).
+Outside a code's range the rounding is biased to the safe side: 0 codes as
+0; a signed value under the smallest non-zero code (``a / 127**2`` for
+int8, e4m3's smallest subnormal for float8) codes 0, so a decaying momentum
+reaches 0; a non-zero non-negative value never codes 0: under code 1 it
+rounds up to it.
 
-The decode is multiplications only, so that XLA:GPU can recompute it in
-both fusions that read the decoded state (the block maximum and the new
-codes); see :func:`_decode_non_negative`.
-``"float8"`` codes only signed state in e4m3; its non-negative state uses
-this code too (e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's
-largest, and MS-AMP's ablation saw an FP8 ``v`` diverge).
+**Why the non-negative code has this shape.** Adam steps by ``m /
+sqrt(v)``. Coded without bias, ``sqrt(v)`` sits on one of the two codes
+around it, so an element's step can be as large as its float32 step times
+the ratio of neighbouring codes: that ratio must stay well under 1.5 down to
+the smallest ``sqrt(v)`` a block can hold next to its largest. A block that
+mixes gradients of 1 and 1e-8 (an embedding's rare rows) needs ``r`` down to
+1e-8; 255 codes cover that at 25% at worst only if the steps are geometric
+(a float's exponent) there, and a power law (the previous tail, ``0.188
+(q/48)**8``, rounded up) cannot: its step at 1e-8 is 3.5x. The top stays
+linear because parameter drift follows the step there (each step's rounding
+error is new and ``v``'s moving average adds them up): the previous codes'
+measurements, ``(q/255)**p`` with powers 3, 2, 1.5 and 1.25, drifted 3.8%,
+2.1%, 1.5% and 1.2% from float32 AdamW on the oracle benchmark's MLP.
+
+The decode is integer multiplies and adds, two bitcasts, a multiplication
+and minima, with one ``where`` on the block's mode: XLA:GPU recomputes a
+decode this cheap in both fusions that read the decoded state (the block
+maximum and the new codes), where it keeps a costlier one (``exp``,
+``sqrt``, ``floor``) in a float32 buffer of the leaf.
+``"float8"`` codes only signed blocks in e4m3 (rounded without bias by the
+spacing of e4m3 around the value); non-negative blocks use the code above
+(e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's largest, and
+MS-AMP's ablation saw an FP8 ``v`` diverge).
 """
 
 from __future__ import annotations
@@ -61,87 +85,126 @@ import numpy as np
 FORMATS = ("int8", "float8")
 
 _E4M3_MAX = 448.0
+_U24 = 2.0**-24  # Uniform draws in [0, 1) from the hash's top 24 bits.
+
+# The non-negative code (see the module docstring): the decoded sqrt(v / a) of
+# code q is min(q / 255, B(q), A(q)), where B and A read an integer affine in q
+# as float32 bits: B steps 2**20 (3 mantissa bits, 8 codes an octave) and
+# meets the line at code _TOP_FROM; A steps 2**21 (2 bits, 4 codes an octave)
+# and meets B at code _MID_FROM.
+_TOP_FROM = 120
+_MID_FROM = 88
 
 
-def _safe_inverse(a: jax.Array) -> jax.Array:
-  """``1 / a``, or 0 where ``a`` is 0 (an all-zero block codes to zeros)."""
-  return jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
+def _f32_bits(x: float) -> int:
+  return int(np.array(x, np.float32).view(np.int32))
 
 
-# The non-negative code (see the module docstring): codes _TOP_FROM..255 are
-# q/255; codes 0.._TOP_FROM-1 are _TOP_FOOT (q/_TOP_FROM)**8.
-_TOP_FROM = 48
-_TOP_FOOT = _TOP_FROM / 255.0  # 0.188
-# The tail rounds up unless a value lies within this fraction of a code above
-# one: see the module docstring for why not 0.
-_CEIL_SLACK = 0.1
+_B_OFFSET = _f32_bits(_TOP_FROM / 255.0) - (_TOP_FROM << 20)
+_A_OFFSET = _B_OFFSET + (_MID_FROM << 20) - (_MID_FROM << 21)
 
 
-def _encode_non_negative(y: jax.Array) -> jax.Array:
-  """Codes (float32, integral) of ``y = sqrt(v) / max`` in ``[0, 1]``."""
-  top = jnp.round(255.0 * y)
-  u = jnp.sqrt(jnp.sqrt(jnp.sqrt(y * (1.0 / _TOP_FOOT))))  # (y / _TOP_FOOT) ** (1/8)
-  tail = jnp.clip(jnp.ceil(_TOP_FROM * u - _CEIL_SLACK), 1.0, _TOP_FROM)
-  return jnp.where(y >= _TOP_FOOT, top, jnp.where(y > 0, tail, 0.0))
+def _as_f32(i: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(i, jnp.float32)
 
 
-def _decode_non_negative(q: jax.Array) -> jax.Array:
-  """``y`` in ``[0, 1]`` from :func:`_encode_non_negative`'s codes (float32).
+def _root_of_code(q: jax.Array) -> jax.Array:
+  """``sqrt(v / a)`` of the non-negative codes ``q`` (int32): integer ops, two bitcasts, minima.
 
-  Five multiplications and a minimum (the tail's power is below the line
-  under code 48 and above it over), no ``where``: the decoded state feeds
-  both the block maximum and the codes of the update's new state, and XLA:GPU
-  recomputes a producer this cheap in each of its fusions, where it keeps a
-  costlier one in a float32 buffer of the leaf. With ``exp``, ``sqrt``,
-  ``floor`` or a power-of-two bitcast here the benchmark Transformer's update
-  needed 2.12-2.66 MB of temp, against optax AdamW's 2.11; a ``where``
-  between a quadratic top and this tail fused there but not on the CNN's
-  small leaves. (Code 48 rather than 64 for the foot of the line: the
-  benchmark MLP drifted 1.66% rather than 1.94%; at 32 the largest step
-  on a 1 / 1e-2 block grew to 1.24x float32's.)
+  No ``where``, ``exp`` or ``floor``: XLA:GPU recomputes a decode this cheap
+  in each fusion that reads the decoded state (the block's maximum and the
+  new codes), where it keeps a costlier one in a float32 buffer of the leaf.
   """
-  q2 = q * q
-  q4 = q2 * q2
-  return jnp.minimum(q * (1.0 / 255.0), (_TOP_FOOT * float(_TOP_FROM) ** -8) * (q4 * q4))
+  line = q.astype(jnp.float32) * (1.0 / 255.0)
+  mid = _as_f32(q * (1 << 20) + _B_OFFSET)
+  low = _as_f32(q * (1 << 21) + _A_OFFSET)
+  return jnp.minimum(line, jnp.minimum(mid, low))
 
 
-def encode(x: jax.Array, fmt: str, non_negative: bool) -> tuple[jax.Array, jax.Array]:
+def _pick(lo: jax.Array, below: jax.Array, above: jax.Array, x: jax.Array,
+          u: jax.Array) -> jax.Array:
+  """``lo`` or ``lo + 1``, the second with the probability that makes the decoded value ``x`` on average."""
+  width = above - below
+  p = (x - below) / jnp.where(width > 0, width, 1.0)
+  return lo + (u < p).astype(lo.dtype)
+
+
+def _encode_non_negative(y: jax.Array, u: jax.Array) -> jax.Array:
+  """Codes (int32 in ``[0, 255]``) of ``y = v / a`` in ``[0, 1]``, unbiased in ``y``; ``y > 0`` never codes 0."""
+  s = jnp.sqrt(y)
+  s_bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+  lo = jnp.maximum(jnp.floor(s * 255.0).astype(jnp.int32),
+                   jnp.maximum((s_bits - _B_OFFSET) >> 20, (s_bits - _A_OFFSET) >> 21))
+  lo = jnp.clip(lo, 0, 254)
+  below, above = _root_of_code(lo) ** 2, _root_of_code(lo + 1) ** 2
+  q = _pick(lo, below, above, y, u)
+  return jnp.where(y > 0, jnp.maximum(q, 1), 0)
+
+
+def _encode_companded(y: jax.Array, u: jax.Array) -> jax.Array:
+  """int8 codes ``q`` of ``y`` in ``[-1, 1]`` decoding to ``(q/127) |q/127|``, unbiased."""
+  m = jnp.abs(y)
+  lo = jnp.minimum(jnp.floor(127.0 * jnp.sqrt(m)), 126.0)
+  below, above = (lo * (1.0 / 127.0)) ** 2, ((lo + 1.0) * (1.0 / 127.0)) ** 2
+  q = jnp.where(lo > 0, _pick(lo, below, above, m, u), 0.0)  # Under code 1: towards 0.
+  return (jnp.sign(y) * q).astype(jnp.int8)
+
+
+def _encode_e4m3(y: jax.Array, u: jax.Array) -> jax.Array:
+  """e4m3 codes of ``448 y``, ``y`` in ``[-1, 1]``, rounded up or down without bias.
+
+  The spacing of e4m3 around ``z`` is ``2**(exponent(z) - 3)`` (3 mantissa
+  bits), or ``2**-9`` below its smallest normal ``2**-6``; ``floor(z /
+  spacing + u) * spacing`` is then exact in e4m3, and the cast rounds nothing.
+  """
+  z = jnp.abs(y) * _E4M3_MAX
+  exponent = jax.lax.bitcast_convert_type(z, jnp.int32) & 0x7F800000
+  spacing = _as_f32(jnp.maximum(exponent, _f32_bits(2.0**-6)) - (3 << 23))
+  r = jnp.minimum(jnp.floor(z / spacing + u) * spacing, _E4M3_MAX)
+  r = jnp.where(z >= 2.0**-9, r, 0.0)  # Under the smallest subnormal: towards 0.
+  return (jnp.sign(y) * r).astype(jnp.float8_e4m3fn)
+
+
+def _signed_to_bits(codes: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(codes, jnp.uint8)
+
+
+def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
+  Args:
+    x: the blocks.
+    fmt: ``"int8"`` or ``"float8"``: the code of blocks with a negative value.
+    bits: uniform ``uint32`` draws of ``x``'s shape (``masters.hashed_bits``),
+      fresh at each encode.
+
   Returns:
-    ``(codes, scales)``: codes of ``x``'s shape (int8, uint8 or float8_e4m3fn), and
-    float32 scales of shape ``x.shape[:-1]``.
+    ``(codes, scales)``: uint8 codes of ``x``'s shape, and float32 scales of
+    shape ``x.shape[:-1]``: the block's largest ``|x|``, negated for a block
+    coded with the signed code.
   """
   x = x.astype(jnp.float32)
-  if non_negative:
-    x = jnp.maximum(x, 0.0)  # A rounding error of the inner update must not reach sqrt.
-    # The block's largest sqrt(v) as sqrt of its largest v: a cheaper reduction,
-    # which XLA:GPU fuses with the inner update.
-    a = jnp.sqrt(jnp.max(x, axis=-1, keepdims=True))
-    x = jnp.sqrt(x)
+  a = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  signed = jnp.min(x, axis=-1, keepdims=True) < 0
+  y = x * jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
+  u = (bits >> 8).astype(jnp.float32) * _U24
+  if fmt == "float8":
+    signed_codes = _signed_to_bits(_encode_e4m3(y, u))
   else:
-    a = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  y = x * _safe_inverse(a)
-  if fmt == "float8" and not non_negative:
-    codes = (y * _E4M3_MAX).astype(jnp.float8_e4m3fn)
-  elif non_negative:
-    codes = _encode_non_negative(y).astype(jnp.uint8)
-  else:
-    codes = jnp.round(127.0 * jnp.sign(y) * jnp.sqrt(jnp.abs(y))).astype(jnp.int8)
-  return codes, a[..., 0]
+    signed_codes = _signed_to_bits(_encode_companded(y, u))
+  non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u).astype(jnp.uint8)
+  codes = jnp.where(signed, signed_codes, non_negative)
+  return codes, jnp.where(signed, -a, a)[..., 0]
 
 
-def decode(codes: jax.Array, scales: jax.Array, fmt: str, non_negative: bool) -> jax.Array:
+def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:
   """Float32 blocks from :func:`encode`'s ``codes`` and ``scales``."""
-  a = scales[..., None]
-  if fmt == "float8" and not non_negative:
-    y = codes.astype(jnp.float32) * (1.0 / _E4M3_MAX)
-  elif non_negative:
-    y = _decode_non_negative(codes.astype(jnp.float32))
+  s = scales[..., None]
+  if fmt == "float8":
+    signed = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * (
+        1.0 / _E4M3_MAX)
   else:
-    t = codes.astype(jnp.float32) * (1.0 / 127.0)
-    y = t * jnp.abs(t)
-  x = y * a
-  if not non_negative:
-    return x
-  return x * x
+    t = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * (1.0 / 127.0)
+    signed = t * jnp.abs(t)
+  root = _root_of_code(codes.astype(jnp.int32))
+  return jnp.abs(s) * jnp.where(s < 0, signed, root * root)

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from jmp_lite._src import checks
+from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
 from jmp_lite._src.optim import classify
@@ -39,9 +40,6 @@ try:  # optax.tree_map_params's stand-in for the params: no public name; degrade
   from optax.tree_utils._state_utils import _ParamsPlaceholder
 except ImportError:  # pragma: no cover - depends on the optax release.
   _ParamsPlaceholder = None  # type: ignore[assignment,misc]  # The fallback: no class.
-
-# Names of optax state fields that are never negative (second moments, sums of squares).
-NON_NEGATIVE_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares", "v", "v_hat"})
 
 _FORMAT_MSG = "format must be one of {allowed}, got {value!r}"
 # A block shares one float32 scale: blocks past 2**16 save nothing (the scales are then
@@ -68,16 +66,16 @@ class QuantizedArray:
   A pytree: ``codes`` and ``scales`` are its children; the rest is static.
 
   Attributes:
-    codes: int8, uint8 or float8_e4m3fn codes. The leaf's own shape when its
-      last axis is a multiple of ``block_size`` (blocks run along it);
-      otherwise ``(blocks, block_size)`` over the flattened, zero-padded leaf.
+    codes: uint8 codes. The leaf's own shape when its last axis is a
+      multiple of ``block_size`` (blocks run along it); otherwise
+      ``(blocks, block_size)`` over the flattened, zero-padded leaf.
     scales: float32, one per block (``codes.shape[:-1] + (blocks,)`` or
-      ``(blocks,)``).
+      ``(blocks,)``): the block's largest magnitude, negative for a block
+      with a negative value (coded by ``format``'s signed code), positive for
+      a block coded with the non-negative code (of the square root).
     shape: the leaf's shape.
     dtype: the leaf's dtype (what decoding returns).
     format: ``"int8"`` or ``"float8"``.
-    non_negative: the leaf is coded as a non-negative quantity (its square
-      root, in :mod:`jmp_lite._src.optim.codes`'s uint8 code).
     block_size: elements per block.
 
   Examples:
@@ -85,8 +83,8 @@ class QuantizedArray:
     >>> import jmp_lite as jmp
     >>> state = jmp.quantize_state(optax.adam(1e-3), min_size=0).init({"w": jnp.ones((2, 256))})
     >>> nu = state.inner[0].nu["w"]
-    >>> nu.codes.dtype, nu.scales.shape, nu.non_negative, nu.dequantize().shape
-    (dtype('uint8'), (2, 1), True, (2, 256))
+    >>> nu.codes.dtype, nu.scales.shape, nu.dequantize().shape
+    (dtype('uint8'), (2, 1), (2, 256))
   """
 
   codes: jax.Array
@@ -94,13 +92,12 @@ class QuantizedArray:
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
   format: str = dataclasses.field(metadata=dict(static=True))
-  non_negative: bool = dataclasses.field(metadata=dict(static=True))
   block_size: int = dataclasses.field(metadata=dict(static=True))
 
   def dequantize(self) -> jax.Array:
     """The leaf in its own dtype and shape."""
     blocks = _blocked_shape(self.shape, self.block_size)
-    x = codes_lib.decode(self.codes.reshape(blocks), self.scales, self.format, self.non_negative)
+    x = codes_lib.decode(self.codes.reshape(blocks), self.scales, self.format)
     if _along_last(self.shape, self.block_size):
       return x.reshape(self.shape).astype(self.dtype)
     return x.reshape(-1)[: int(np.prod(self.shape))].reshape(self.shape).astype(self.dtype)
@@ -115,6 +112,8 @@ class QuantizedState(NamedTuple):
   Attributes:
     inner: the inner transformation's state, with each coded leaf replaced
       by its :class:`QuantizedArray`.
+    step: int32, the updates made: with each coded leaf's number, it seeds
+      the stochastic rounding of the codes (:func:`dither`).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -126,6 +125,7 @@ class QuantizedState(NamedTuple):
   """
 
   inner: optax.OptState
+  step: jax.Array
 
 
 def _along_last(shape: tuple[int, ...], block_size: int) -> bool:
@@ -140,21 +140,39 @@ def _blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
   return (-(-size // block_size), block_size)
 
 
-def quantize(x: jax.Array, fmt: str, non_negative: bool, block_size: int) -> QuantizedArray:
-  """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype)."""
+def dither(shape: tuple[int, ...], leaf: int, count: jax.Array) -> jax.Array:
+  """The ``uint32`` draws of coded leaf number ``leaf`` at update ``count``, one per element.
+
+  Each element's draws are a Weyl sequence: a random phase (the hash of its
+  index, seeded by the leaf's number, ``masters.hashed_bits``) plus ``count``
+  times 2**32 over the golden ratio. Each draw is uniform over the phases,
+  so the rounding is unbiased; along the updates an element's draws are
+  spread evenly rather than independently, so a code that rounds up with
+  probability ``p`` at each update does so once every ``1 / p`` updates, not
+  in random clusters, and a moving average's rounding errors do not add up
+  as a random walk.
+  """
+  phase = masters.hashed_bits(shape, jnp.uint32(leaf) * np.uint32(0x85EBCA6B) + np.uint32(1))
+  return phase + jnp.asarray(count).astype(jnp.uint32) * np.uint32(0x9E3779B9)
+
+
+def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
+             count: jax.Array) -> QuantizedArray:
+  """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype).
+
+  The stochastic rounding draws from :func:`dither` of coded leaf number
+  ``leaf`` at update ``count``.
+  """
   shape = tuple(x.shape)
   blocks = _blocked_shape(shape, block_size)
   flat = x.astype(jnp.float32)
   if not _along_last(shape, block_size):
     flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
-  codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, non_negative)
+  codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count))
   stored = codes.reshape(shape) if _along_last(shape, block_size) else codes
-  return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, non_negative, block_size)
+  return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, block_size)
 
 
-def _non_negative(path: Any) -> bool:
-  """Whether a coded leaf takes the non-negative code (until the sign is read per block)."""
-  return any(getattr(k, "name", None) in NON_NEGATIVE_FIELDS for k in path)
 
 
 def _is_quantized(x: Any) -> bool:
@@ -178,16 +196,23 @@ def dequantize_tree(tree: Any) -> Any:
                       is_leaf=_is_quantized)
 
 
-def _requantize(old: Any, new: Any) -> Any:
-  """``new``'s leaves coded where ``old`` holds a :class:`QuantizedArray`, with its code."""
-  def one(o: Any, n: Any) -> Any:
-    if not _is_quantized(o):
-      return n
-    x, wrap = _unwrapped(n)
-    q = quantize(x.astype(o.dtype), o.format, o.non_negative, o.block_size)
-    return dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
+def _requantize(old: Any, new: Any, count: jax.Array) -> Any:
+  """``new``'s leaves coded where ``old`` holds a :class:`QuantizedArray`, with its code.
 
-  return jax.tree.map(one, old, new, is_leaf=_is_quantized)
+  The rounding of coded leaf ``i`` (in flattening order) draws from
+  ``dither(..., i, count)``.
+  """
+  flat_old, treedef = jax.tree.flatten(old, is_leaf=_is_quantized)
+  flat_new = jax.tree.leaves(new)  # the inner update keeps the state's structure
+  out, coded = [], 0
+  for o, n in zip(flat_old, flat_new):
+    if _is_quantized(o):
+      q = quantize(n.astype(o.dtype), o.format, o.block_size, coded, count)
+      wrap = _unwrapped(o.codes)[1]  # codes and scales in flax Variables where they were
+      n = dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
+      coded += 1
+    out.append(n)
+  return jax.tree.unflatten(treedef, out)
 
 
 def _is_variable(x: Any) -> bool:
@@ -257,15 +282,15 @@ def quantize_state(
     updates, state = tx.update(grads, state, params)
     codes, scales  = encode(state)           # max |x| per block of block_size
 
-  ``"int8"`` codes signed state (momenta) as ``round(127 sign(x) sqrt(|x|/a))``
-  with ``a`` the block's largest ``|x|``; ``"float8"`` codes it as e4m3 of
-  ``x * 448 / a``. Non-negative state (second moments, known by field name:
-  ``nu``, ``nu_max``, ``sum_of_squares``, ``v``, ``v_hat``) is coded, in
-  either format, as uint8 of ``y = s / b`` with ``s = sqrt(v)`` and ``b`` the
-  block's largest: linear (``q / 255``) from 0.188 to 1, and below that a
-  tail ``0.188 (q / 48)**8`` rounded up, which keeps ``v`` from 1 to far below
-  1e-12 in one block: the small ``v`` of rare features do not round to zero
-  and their steps do not blow up (see :mod:`jmp_lite._src.optim.codes`).
+  Each block is coded by its values at every update: a block with a
+  negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
+  of ``x / a``, ``a`` the block's largest ``|x|``) or ``"float8"`` (e4m3 of
+  ``x * 448 / a``); a non-negative block (a second moment, in either
+  format) as a uint8 code of ``sqrt(x / a)``, linear at the top of the block
+  and read as float32 bits below, which reaches 1e-8 of the block's largest
+  ``sqrt(v)``. The mode is the sign of the block's float32 scale. Rounding
+  is stochastic and unbiased, so moving averages keep following their
+  input (see :mod:`jmp_lite._src.optim.codes`).
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
@@ -313,7 +338,7 @@ def quantize_state(
     >>> state = tx.init(params)
     >>> adam = state.inner[0]
     >>> adam.mu["w"].codes.dtype, adam.nu["w"].codes.dtype, adam.mu["b"].dtype
-    (dtype('int8'), dtype('uint8'), dtype('float32'))
+    (dtype('uint8'), dtype('uint8'), dtype('float32'))
     >>> updates, state = tx.update({"w": jnp.ones((4, 256)), "b": jnp.ones(4)}, state, params)
     >>> round(float(updates["w"][0, 0]), 5)
     -0.001
@@ -339,9 +364,12 @@ def quantize_state(
                                 "quantize_state's keep_state", "floating leaf of the inner state",
                                 "nothing in full precision", "floating state leaves")
     coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
-    leaves = [quantize(x, fmt, _non_negative(p), block_size) if c else x
-              for (p, x), c in zip(flat, coded)]
-    return QuantizedState(_codes_in_variables(jax.tree.unflatten(treedef, leaves)))
+    count = jnp.zeros((), jnp.int32)
+    marked = [  # Placeholders, which _requantize codes in its order.
+        QuantizedArray(x, x, tuple(x.shape), np.dtype(x.dtype), fmt, block_size) if c else x
+        for (_, x), c in zip(flat, coded)]
+    inner = _requantize(jax.tree.unflatten(treedef, marked), state, count)
+    return QuantizedState(_codes_in_variables(inner), count)
 
   def update(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
              **extra_args: Any) -> tuple[optax.Updates, QuantizedState]:
@@ -350,6 +378,6 @@ def quantize_state(
                       f"{checks.type_name(state)}")
     inner = dequantize_tree(state.inner)
     updates, inner = inner_tx.update(updates, inner, params, **extra_args)
-    return updates, QuantizedState(_requantize(state.inner, inner))
+    return updates, QuantizedState(_requantize(state.inner, inner, state.step), state.step + 1)
 
   return optax.GradientTransformationExtraArgs(init, update)
