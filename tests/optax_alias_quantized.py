@@ -23,7 +23,9 @@ compare the pass counts::
   python -m pytest tests/optax_alias_quantized.py --optax-alias=unwrapped
 
 The root ``conftest.py`` registers the plugin (``pytest_plugins``). The tests
-are marked ``slow`` (``-m 'not slow'`` leaves them out); CI runs them.
+are marked ``slow`` (``-m 'not slow'`` leaves them out); CI runs them. In the
+wrapped copies, one warning is expected and ignored: ``quantize_state``'s
+"codes no leaf", for the optimizers that keep no per-parameter moment.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ import pytest
 FORMATS = ("unwrapped", "int8", "float8")
 DEFAULT = "int8,float8"
 _THIS = pathlib.Path(__file__).resolve()
+# quantize_state warns when it codes nothing (issue 43). Here it wraps every optimizer,
+# stateless ones (sign_sgd, noisy_sgd, polyak_sgd, ...) too: for them the warning is right,
+# and under filterwarnings=error it would fail the test that optax wrote for the optimizer.
+NOTHING_CODED = pytest.mark.filterwarnings("ignore:quantize_state codes no leaf:UserWarning")
 
 
 def alias_test_path() -> pathlib.Path:
@@ -101,6 +107,8 @@ class AliasTestModule(pytest.Module):
     collected = super().collect()
     for node in collected:
       node.add_marker(pytest.mark.slow)  # 10,000-step loops: minutes per format
+      if self.fmt != "unwrapped":
+        node.add_marker(NOTHING_CODED)
     return collected
 
 
