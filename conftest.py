@@ -15,6 +15,9 @@ program once and load it from the cache after that, the same train step built
 again by another test included. An empty cache (a fresh clone, as in CI) costs
 only the writes; set ``JAX_COMPILATION_CACHE_DIR`` to use another folder, or
 ``JAX_ENABLE_COMPILATION_CACHE=false`` to compile everything afresh.
+
+The plugin ``tests/optax_alias_quantized.py``: optax's own optimizer tests,
+every optimizer wrapped in ``jmp.quantize_state`` (see its docstring).
 """
 
 import os
@@ -31,6 +34,8 @@ for name, value in CACHE.items():
     os.environ.setdefault(name, value)
 
 import jax  # noqa: E402  (after the environment: JAX reads it when it starts)
+
+pytest_plugins = ("tests.optax_alias_quantized",)
 
 # In case a plugin imported JAX before this file ran: the same settings through its config.
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
