@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     parser.error(str(e))
   torch, _ = variants_lib.import_torch()
+  measured = commit()  # before the run: what the numbers measure
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_platforms", "cpu")
   seeds = [args.seed + i for i in range(1 if args.smoke else args.seeds)]
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
   result["bars"] = tables.check_bars(result, meaningful=not args.smoke)
   device = jax.devices("cpu")[0]
   meta = report.meta(cli.command(variants_lib.PROG, argv), device, args=cli.args_record(args),
-                     smoke=args.smoke, commit=commit(), torch=str(torch.__version__),
+                     smoke=args.smoke, commit=measured, torch=str(torch.__version__),
                      torchao=str(__import__("torchao").__version__))
   result = dict(meta=meta, **result)
   stem = (report.output_dir(args.out, args.smoke)
