@@ -191,9 +191,10 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
   plan, site, unplanned = fp8_plan.current()
+  taken = interp.TAKEN.get()
 
   def primal(*xs: Any) -> list[Any]:
-    with fp8_plan.active(plan, site, unplanned):
+    with fp8_plan.active(plan, site, unplanned), interp.taking(taken):
       return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def tangents_as_traced(*flat: Any) -> Any:
@@ -205,7 +206,7 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     out = primal(*xs)
     closed = jax.make_jaxpr(tangents_as_traced)(
         *_declared(eqn.invars), *_declared([eqn.invars[i] for i in fi]))
-    with fp8_plan.active(plan, site, unplanned=False):
+    with fp8_plan.active(plan, site, unplanned=False), interp.taking(frozenset()):
       t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
     t_out = [np.zeros(np.shape(o), jax.dtypes.float0) for o in out]
     t_out = _with(t_out, fo, interp.cast_all(t_float, [interp.value_dtype(out[j]) for j in fo]))
@@ -238,9 +239,10 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   pullback: dict[str, Any] = {}
   plan, site, unplanned = fp8_plan.current()
   rules_fp8 = False if fp8_plan.keeps_any() else unplanned
+  taken = interp.TAKEN.get()
 
   def primal(*xs: Any) -> list[Any]:
-    with fp8_plan.active(plan, site, unplanned):
+    with fp8_plan.active(plan, site, unplanned), interp.taking(taken):
       return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def forward_as_traced(*xs: Any) -> list[Any]:
@@ -260,7 +262,7 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     pullback["diff"] = [i for i in fi if primals[i].perturbed] if symbolic else fi
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
     pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
-    with fp8_plan.active(plan, site, rules_fp8):
+    with fp8_plan.active(plan, site, rules_fp8), interp.taking(frozenset()):
       residuals = interp.eval_closed(closed, xs, cfg)
     return primal(*xs), residuals
 
@@ -268,7 +270,7 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     di = pullback["diff"]
     closed = jax.make_jaxpr(backward_as_traced)(
         *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
-    with fp8_plan.active(plan, site, rules_fp8):
+    with fp8_plan.active(plan, site, rules_fp8), interp.taking(frozenset()):
       grads = interp.eval_closed(closed, [*residuals, *(_materialized(cts[j]) for j in fo)], cfg)
     out: list[Any] = [None] * len(ins)
     return tuple(_with(out, di, interp.cast_all(grads, [in_dtypes[i] for i in di])))
