@@ -365,6 +365,11 @@ _CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broad
 _FOLLOWED = _CHAIN | {"convert_element_type"}
 
 
+# Readers whose floating result needs no precision from their input: its value
+# is the input's sign, or no derivative flows through it (a metric).
+_INDIFFERENT = frozenset({"sign", "stop_gradient"})
+
+
 def _floating_var(v: Any) -> bool:
   """A floating variable of a jaxpr (not a literal)."""
   return not hasattr(v, "val") and jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v))
@@ -392,6 +397,13 @@ def feeding_float32(
   Those equations compute in float32 (:func:`reach_back`), in a float32
   region that the backward pass recomputes from its half inputs.
 
+  A reader that needs no precision neither joins nor breaks a chain: one
+  whose results are all integers or booleans (a comparison, an argmax, an
+  integer convert), a ``sign`` or a ``stop_gradient``, and any operation
+  that only feeds such readers. The accuracy ``mean((p > 0.5) == y)``
+  returned beside a clipped BCE reads ``p`` and leaves its float32 chain as
+  it was; it reads the value the chain rounds to half where it leaves it.
+
   A nested ``jit`` or call is no boundary: ``taken`` are the indices of
   ``jaxpr``'s outputs that the caller reads only in float32 (its chain goes
   on outside). Returns the chain's equation ids; for each nested call
@@ -403,12 +415,20 @@ def feeding_float32(
   outside = {v for i, v in enumerate(jaxpr.outvars) if i in taken and _floating_var(v)}
   returned = {v for v in jaxpr.outvars if _floating_var(v)} - outside
   reads: set[tuple[int, Any]] = set()  # (equation, variable) read in float32.
+  indifferent: set[int] = set()  # Equations that need no precision from their inputs.
   forced: set[int] = set()
   calls: dict[int, frozenset[int]] = {}
 
   def taken_var(v: Any) -> bool:
-    return v not in returned and (v in outside or bool(readers.get(v))) and all(
-        (id(r), v) in reads for r in readers.get(v, ()))
+    mine = readers.get(v, ())
+    return v not in returned and (v in outside or any((id(r), v) in reads for r in mine)) and all(
+        (id(r), v) in reads or id(r) in indifferent for r in mine)
+
+  def needs_no_precision(eqn: Any) -> bool:
+    floating = [v for v in eqn.outvars if _floating_var(v)]
+    return eqn.primitive.name in _INDIFFERENT or all(
+        v not in returned and v not in outside and readers.get(v)
+        and all(id(r) in indifferent for r in readers[v]) for v in floating)
 
   for eqn in reversed(jaxpr.eqns):
     name = eqn.primitive.name
@@ -425,6 +445,8 @@ def feeding_float32(
       reads.update((id(eqn), v) for v in eqn.invars if not hasattr(v, "val"))
       if name in _CHAIN:
         forced.add(id(eqn))
+    elif eqn.outvars and needs_no_precision(eqn):
+      indifferent.add(id(eqn))
   inputs = frozenset(i for i, v in enumerate(jaxpr.invars) if _floating_var(v) and taken_var(v))
   return frozenset(forced), {k: v for k, v in calls.items() if v}, inputs
 
