@@ -48,6 +48,26 @@ def _constant_key(x: Any) -> Any:
   return (c.dtype.str, c.shape, c.tobytes())
 
 
+def _canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
+  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
+
+  A nested jit is evaluated once per input types and metas: renamed, the
+  metas of two calls that share their pattern of sources are equal.
+  """
+  names: dict[Any, int] = {}
+  out = [m if m is None or m.source is None
+         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
+  return out, {v: k for k, v in names.items()}
+
+
+def _restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
+  """Output metas of a body evaluated on :func:`_canonical` metas, in the caller's sources."""
+  new: dict[Any, Any] = {}
+  return [m if m is None or m.source is None else m._replace(
+      source=back[m.source] if m.source in back else new.setdefault(m.source, rules.fresh()))
+          for m in metas]
+
+
 def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
          metas: list[Any]) -> tuple[list[Any], list[Any]]:
   """A nested jit, re-bound with its evaluated body; its literal operands stay constants in it.
@@ -63,7 +83,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
     written: list[Any] = []
     return interp.eval_closed(closed, ins, cfg, metas, written), written
   consts = [_constant_key(x) for x in ins]
-  metas, back = rules.canonical(metas)
+  metas, back = _canonical(metas)
   # The FP8 decisions under this call site: one helper jitted for many layers is one jaxpr.
   key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas),
          fp8_plan.signature(), interp.TAKEN.get())
@@ -77,7 +97,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
     hit = (jax.make_jaxpr(fun)(*ins), out_metas)
     if _no_tracers(hit[0]):
       per_jaxpr[key] = hit
-  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), rules.restore(hit[1], back)
+  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), _restore(hit[1], back)
 
 
 def _call(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:

@@ -333,26 +333,6 @@ def saturate(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
   return np.asarray(v, dtype)[()] if np.ndim(value) == 0 else np.asarray(v, dtype)
 
 
-def canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
-  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
-
-  A nested jit is evaluated once per input types and metas: renamed, the
-  metas of two calls that share their pattern of sources are equal.
-  """
-  names: dict[Any, int] = {}
-  out = [m if m is None or m.source is None
-         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
-  return out, {v: k for k, v in names.items()}
-
-
-def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
-  """Output metas of a body evaluated on :func:`canonical` metas, in the caller's sources."""
-  new: dict[Any, Any] = {}
-  return [m if m is None or m.source is None else m._replace(
-      source=back[m.source] if m.source in back else new.setdefault(m.source, fresh()))
-          for m in metas]
-
-
 # What a float32 region reaches back through, from a float32-list operation to
 # the matmul or convolution (or argument) that produced its input: element-wise
 # promote-list operations, selects, max/min reductions and data movement;
@@ -363,8 +343,6 @@ _CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broad
                          "gather", "concatenate", "pad", "copy", "stop_gradient"})
 # A convert passes the request on to its input without computing in float32 itself.
 _FOLLOWED = _CHAIN | {"convert_element_type"}
-
-
 # Readers whose floating result needs no precision from their input: its value
 # is the input's sign, or no derivative flows through it (a metric).
 _INDIFFERENT = frozenset({"sign", "stop_gradient"})
@@ -437,7 +415,9 @@ def feeding_float32(
     elif name in ("jit", "closed_call"):
       # Its body's chain ends at those outputs and may go on before the call.
       calls[id(eqn)] = frozenset(i for i, v in enumerate(eqn.outvars) if taken_var(v))
-      if calls[id(eqn)]:
+      if not calls[id(eqn)] and needs_no_precision(eqn):  # A jitted argmax, say.
+        indifferent.add(id(eqn))
+      elif calls[id(eqn)]:
         inner = feeding_float32(_body(eqn), rule, calls[id(eqn)])[2]
         reads.update((id(eqn), v) for i, v in enumerate(eqn.invars)
                      if i in inner and not hasattr(v, "val"))
