@@ -165,3 +165,110 @@ def test_equinox_default_batchnorm_trains_under_autocast(mode):
   before = [a for a in jax.tree.leaves(model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
   assert any(not np.array_equal(a, b) for a, b in zip(stats, before))  # and are updated.
   assert step._cache_size() == 1
+
+
+# --- GANs: sigmoid BCE (softplus's custom_jvp) and float32 noise drawn in the loss -------
+
+GAN_MODES = {**MODES, "fp8": (jmp.get_policy("mixed_bfloat16"), lambda: optax.adam(1e-2))}
+LATENT, GAN_BATCH = 4, 8
+
+
+class Gen(eqx.Module):
+  """DCGAN's generator in small: noise (latent, 1, 1) to a 1x8x8 image, Equinox's BatchNorm."""
+
+  c1: eqx.nn.ConvTranspose2d
+  bn: eqx.nn.BatchNorm
+  c2: eqx.nn.ConvTranspose2d
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.c1 = eqx.nn.ConvTranspose2d(LATENT, 8, 4, use_bias=False, key=k1)
+    with pytest.warns(UserWarning, match="defaults to 'ema'"):
+      self.bn = eqx.nn.BatchNorm(8, axis_name="batch")
+    self.c2 = eqx.nn.ConvTranspose2d(8, 1, 4, stride=2, padding=1, use_bias=False, key=k2)
+
+  def __call__(self, z, state):
+    h, state = self.bn(self.c1(z), state)
+    return jnp.tanh(self.c2(jax.nn.relu(h))), state
+
+
+class Disc(eqx.Module):
+  c1: eqx.nn.Conv2d
+  bn: eqx.nn.BatchNorm
+  out: eqx.nn.Linear
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.c1 = eqx.nn.Conv2d(1, 8, 4, stride=2, padding=1, use_bias=False, key=k1)
+    with pytest.warns(UserWarning, match="defaults to 'ema'"):
+      self.bn = eqx.nn.BatchNorm(8, axis_name="batch")
+    self.out = eqx.nn.Linear(8 * 4 * 4, "scalar", key=k2)
+
+  def __call__(self, x, state):
+    h, state = self.bn(self.c1(x), state)
+    return self.out(jax.nn.leaky_relu(h, 0.2).reshape(-1)), state
+
+
+def _batched(model, x, state):
+  return jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+
+class GAN(eqx.Module):
+  g: Gen
+  d: Disc
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.g, self.d = Gen(k1), Disc(k2)
+
+
+def _gan_loss(model, state, batch):
+  # The noise is drawn in float32 inside the loss; D reads fakes, then reals, its
+  # BatchNorm state threaded through both calls (its second call reads the first's).
+  noise = jax.random.normal(batch["key"], (GAN_BATCH, LATENT, 1, 1))
+  fake, state = _batched(model.g, noise, state)
+  fake_logits, state = _batched(model.d, fake, state)
+  real_logits, state = _batched(model.d, batch["real"], state)
+  bce = optax.sigmoid_binary_cross_entropy
+  loss = bce(fake_logits, jnp.zeros(GAN_BATCH)).mean() + bce(real_logits, jnp.ones(GAN_BATCH)).mean()
+  return loss, state
+
+
+@pytest.mark.parametrize("mode", list(GAN_MODES))
+def test_a_gan_with_float32_noise_and_sigmoid_bce_trains_under_autocast(mode):
+  policy, make_tx = GAN_MODES[mode]
+  model, state0 = eqx.nn.make_with_state(GAN)(jax.random.key(0))
+  real = jnp.tanh(jax.random.normal(jax.random.key(1), (GAN_BATCH, 1, 8, 8)))
+  batch = {"real": real, "key": jax.random.key(2)}
+  want = float(_gan_loss(model, state0, batch)[0])
+  fp8 = jmp.Float8Recipe(min_size=0) if mode == "fp8" else None
+  state = jmp.TrainState.create(params=model, tx=make_tx(), model_state=state0)
+  step = jmp.make_train_step(_gan_loss, policy, autocast=True, fp8=fp8)  # Crashed before.
+  first = None
+  for i in range(3):
+    state, metrics = step(state, {**batch, "key": jax.random.key(2 + i)})
+    first = float(metrics["loss"]) if first is None else first
+    assert bool(metrics["grads_finite"]), (mode, i)
+  assert abs(first - want) <= (0.1 if mode == "fp8" else 0.02) * want, (mode, first, want)
+  stats = [a for a in jax.tree.leaves(state.model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
+  assert stats and all(a.dtype == F32 for a in stats)
+  assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_the_porting_guides_gan_recipe_runs_with_autocast(policy_name, capsys):
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "porting.md").read_text()
+  code = next(b for b in re.findall(r"^```python[ \t]*\n(.*?)^```[ \t]*$", text, re.S | re.M)
+              if "class Disc" in b)
+  edits = {"make_train_step(d_loss, policy)": "make_train_step(d_loss, policy, autocast=True)",
+           "make_train_step(g_loss, policy,": "make_train_step(g_loss, policy, autocast=True,",
+           '"mixed_float16"': repr(policy_name)}
+  for old, new in edits.items():
+    assert old in code, old  # The recipe still reads as this test expects.
+    code = code.replace(old, new)
+  namespace: dict = {}
+  exec(compile(code, "docs/porting.md", "exec"), namespace)  # Crashed in softplus's JVP before.
+  assert all(bool(namespace[m]["grads_finite"]) for m in ("d_metrics", "g_metrics"))
+  assert all(np.isfinite(float(namespace[m]["loss"])) for m in ("d_metrics", "g_metrics"))

@@ -405,3 +405,38 @@ if __name__ == "__main__":
       print(n, report(n))
     except Exception as e:  # noqa: BLE001
       print(n, "ERROR", type(e).__name__, str(e)[:300])
+
+
+# -- a metric beside the loss reads its values without changing their precision --------
+
+METRICS = {
+    "accuracy": lambda p, t: jnp.mean((p > 0.5) == t),
+    "argmax": lambda p, t: jnp.mean(jnp.argmax(p, -1) == jnp.argmax(t, -1)),
+    "stop_gradient": lambda p, t: jax.lax.stop_gradient(p),
+    "integer_count": lambda p, t: jnp.sum((p * 2.0).astype(jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("metric", sorted(METRICS))
+def test_a_metric_returned_as_aux_leaves_the_clipped_bce_in_float32(metric: str) -> None:
+  # The clipped BCE keeps sigmoid(z) in float32 because it only feeds float32 ops;
+  # a metric that reads p (a comparison, an argmax, a stop_gradient, an integer)
+  # needs no precision and made the sigmoid half: +5.8% in bf16, +4.8% in f16.
+  def loss(params, batch):
+    p = jnp.clip(jax.nn.sigmoid(_logits(params, batch)), 1e-7, 1.0 - 1e-7)
+    t = batch["t"]
+    return -jnp.mean(t * jnp.log(p) + (1.0 - t) * jnp.log(1.0 - p)), METRICS[metric](p, t)
+
+  params, batch = _data("clipped_bce")
+  want = float(loss(params, batch)[0])
+  for dtype in (F16, BF16):
+    policy = jmp.get_policy("mixed_float16" if dtype == F16 else "mixed_bfloat16")
+    tx = jmp.dynamic_loss_scaling(optax.sgd(1e-4), init_scale=2.0**4) if dtype == F16 else (
+        optax.sgd(1e-4))
+    state = jmp.TrainState.create(params=params, tx=tx)
+    step = jmp.make_train_step(loss, policy, autocast=True, has_aux=True)
+    for _ in range(3):
+      state, metrics = step(state, batch)
+      assert bool(metrics["grads_finite"]), (metric, dtype)  # No step skipped.
+    assert _close(float(jax.jit(jmp.autocast(loss, dtype))(params, batch)[0]), want, dtype)
+    assert _close(float(metrics["loss"]), want, dtype), (metric, dtype, float(metrics["loss"]))

@@ -48,6 +48,26 @@ def _constant_key(x: Any) -> Any:
   return (c.dtype.str, c.shape, c.tobytes())
 
 
+def _canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
+  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
+
+  A nested jit is evaluated once per input types and metas: renamed, the
+  metas of two calls that share their pattern of sources are equal.
+  """
+  names: dict[Any, int] = {}
+  out = [m if m is None or m.source is None
+         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
+  return out, {v: k for k, v in names.items()}
+
+
+def _restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
+  """Output metas of a body evaluated on :func:`_canonical` metas, in the caller's sources."""
+  new: dict[Any, Any] = {}
+  return [m if m is None or m.source is None else m._replace(
+      source=back[m.source] if m.source in back else new.setdefault(m.source, rules.fresh()))
+          for m in metas]
+
+
 def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
          metas: list[Any]) -> tuple[list[Any], list[Any]]:
   """A nested jit, re-bound with its evaluated body; its literal operands stay constants in it.
@@ -63,7 +83,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
     written: list[Any] = []
     return interp.eval_closed(closed, ins, cfg, metas, written), written
   consts = [_constant_key(x) for x in ins]
-  metas, back = rules.canonical(metas)
+  metas, back = _canonical(metas)
   # The FP8 decisions under this call site: one helper jitted for many layers is one jaxpr.
   key = (cfg, tuple(jax.typeof(x) for x in ins), tuple(consts), tuple(metas),
          fp8_plan.signature(), interp.TAKEN.get())
@@ -77,7 +97,7 @@ def _jit(eqn: Any, ins: list[Any], cfg: interp._Config,
     hit = (jax.make_jaxpr(fun)(*ins), out_metas)
     if _no_tracers(hit[0]):
       per_jaxpr[key] = hit
-  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), rules.restore(hit[1], back)
+  return jaxpr_utils.bind(eqn, ins, {**eqn.params, "jaxpr": hit[0]}), _restore(hit[1], back)
 
 
 def _call(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
@@ -191,9 +211,10 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   """
   fi, fo = _floating_indices(eqn.invars), _floating_indices(eqn.outvars)
   plan, site, unplanned = fp8_plan.current()
+  taken = interp.TAKEN.get()
 
   def primal(*xs: Any) -> list[Any]:
-    with fp8_plan.active(plan, site, unplanned):
+    with fp8_plan.active(plan, site, unplanned), interp.taking(taken):
       return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def tangents_as_traced(*flat: Any) -> Any:
@@ -205,7 +226,7 @@ def _custom_jvp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     out = primal(*xs)
     closed = jax.make_jaxpr(tangents_as_traced)(
         *_declared(eqn.invars), *_declared([eqn.invars[i] for i in fi]))
-    with fp8_plan.active(plan, site, unplanned=False):
+    with fp8_plan.active(plan, site, unplanned=False), interp.taking(frozenset()):
       t_float = interp.eval_closed(closed, [*xs, *(ts[i] for i in fi)], cfg)
     t_out = [np.zeros(np.shape(o), jax.dtypes.float0) for o in out]
     t_out = _with(t_out, fo, interp.cast_all(t_float, [interp.value_dtype(out[j]) for j in fo]))
@@ -238,9 +259,10 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
   pullback: dict[str, Any] = {}
   plan, site, unplanned = fp8_plan.current()
   rules_fp8 = False if fp8_plan.keeps_any() else unplanned
+  taken = interp.TAKEN.get()
 
   def primal(*xs: Any) -> list[Any]:
-    with fp8_plan.active(plan, site, unplanned):
+    with fp8_plan.active(plan, site, unplanned), interp.taking(taken):
       return interp.eval_closed(eqn.params["call_jaxpr"], xs, cfg)
 
   def forward_as_traced(*xs: Any) -> list[Any]:
@@ -260,7 +282,7 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     pullback["diff"] = [i for i in fi if primals[i].perturbed] if symbolic else fi
     closed = jax.make_jaxpr(forward_as_traced)(*_declared(eqn.invars))
     pullback["avals"] = [a.update(weak_type=False) for a in closed.out_avals]
-    with fp8_plan.active(plan, site, rules_fp8):
+    with fp8_plan.active(plan, site, rules_fp8), interp.taking(frozenset()):
       residuals = interp.eval_closed(closed, xs, cfg)
     return primal(*xs), residuals
 
@@ -268,7 +290,7 @@ def _custom_vjp(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
     di = pullback["diff"]
     closed = jax.make_jaxpr(backward_as_traced)(
         *pullback["avals"], *_declared([eqn.outvars[j] for j in fo]))
-    with fp8_plan.active(plan, site, rules_fp8):
+    with fp8_plan.active(plan, site, rules_fp8), interp.taking(frozenset()):
       grads = interp.eval_closed(closed, [*residuals, *(_materialized(cts[j]) for j in fo)], cfg)
     out: list[Any] = [None] * len(ins)
     return tuple(_with(out, di, interp.cast_all(grads, [in_dtypes[i] for i in di])))

@@ -91,7 +91,6 @@ def eval_closed(closed: Any, args: Sequence[Any], cfg: _Config,
   return eval_jaxpr(closed.jaxpr, closed.consts, args, cfg, metas, out_metas)
 
 
-# Data movement deferred until a consumer asks for a dtype (see Moved).
 # The outputs of the nested call being evaluated that its caller reads only in
 # float32 (see rules.feeding_float32): read once, by the call body's evaluator.
 TAKEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
@@ -99,7 +98,14 @@ TAKEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def _taken(indices: frozenset[int]) -> Any:
+def taking(indices: frozenset[int]) -> Any:
+  """Evaluates the next body with ``indices`` as its outputs read only in float32.
+
+  A rule that JAX runs later (a ``custom_jvp``'s JVP when it differentiates)
+  runs wherever JAX is then, inside another call's evaluation: the handler
+  that made it passes the value it saw, so that the rule's primal is the
+  primal's.
+  """
   token = TAKEN.set(indices)
   try:
     yield
@@ -107,6 +113,7 @@ def _taken(indices: frozenset[int]) -> Any:
     TAKEN.reset(token)
 
 
+# Data movement deferred until a consumer asks for a dtype (see Moved).
 _MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose"})
 # The default lists hold first-order primitives only; other names may carry
 # sub-jaxprs typed in the traced dtypes, which must then run as traced.
@@ -278,12 +285,12 @@ class _Evaluator:
       # A jnp function reading a float32 region's value (jnp.take_along_axis in a loss):
       # evaluated in place, so that the region goes on through it.
       closed, written = eqn.params["jaxpr"], list[Any]()
-      with fp8_plan.within(eqn), _taken(self.calls.get(id(eqn), frozenset())):
+      with fp8_plan.within(eqn), taking(self.calls.get(id(eqn), frozenset())):
         outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written, True)
       return outs, written
     handler = HANDLERS.get(name)
     if handler is not None:
-      with fp8_plan.within(eqn), _taken(self.calls.get(id(eqn), frozenset())):
+      with fp8_plan.within(eqn), taking(self.calls.get(id(eqn), frozenset())):
         return handler(eqn, self.handler_ins(eqn, ins, metas), self.cfg, metas)
     if name == "convert_element_type":
       return self.convert(eqn, ins[0], metas[0])

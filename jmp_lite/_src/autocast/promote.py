@@ -333,26 +333,6 @@ def saturate(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
   return np.asarray(v, dtype)[()] if np.ndim(value) == 0 else np.asarray(v, dtype)
 
 
-def canonical(metas: Sequence[Any]) -> tuple[list[Any], dict[Any, Any]]:
-  """``metas`` with their sources renamed -1, -2, ... by first appearance, and the way back.
-
-  A nested jit is evaluated once per input types and metas: renamed, the
-  metas of two calls that share their pattern of sources are equal.
-  """
-  names: dict[Any, int] = {}
-  out = [m if m is None or m.source is None
-         else m._replace(source=names.setdefault(m.source, -1 - len(names))) for m in metas]
-  return out, {v: k for k, v in names.items()}
-
-
-def restore(metas: Sequence[Any], back: dict[Any, Any]) -> list[Any]:
-  """Output metas of a body evaluated on :func:`canonical` metas, in the caller's sources."""
-  new: dict[Any, Any] = {}
-  return [m if m is None or m.source is None else m._replace(
-      source=back[m.source] if m.source in back else new.setdefault(m.source, fresh()))
-          for m in metas]
-
-
 # What a float32 region reaches back through, from a float32-list operation to
 # the matmul or convolution (or argument) that produced its input: element-wise
 # promote-list operations, selects, max/min reductions and data movement;
@@ -363,6 +343,9 @@ _CHAIN = (ELEMENTWISE | {"select_n", "clamp", "reduce_max", "reduce_min", "broad
                          "gather", "concatenate", "pad", "copy", "stop_gradient"})
 # A convert passes the request on to its input without computing in float32 itself.
 _FOLLOWED = _CHAIN | {"convert_element_type"}
+# Readers whose floating result needs no precision from their input: its value
+# is the input's sign, or no derivative flows through it (a metric).
+_INDIFFERENT = frozenset({"sign", "stop_gradient"})
 
 
 def _floating_var(v: Any) -> bool:
@@ -392,6 +375,13 @@ def feeding_float32(
   Those equations compute in float32 (:func:`reach_back`), in a float32
   region that the backward pass recomputes from its half inputs.
 
+  A reader that needs no precision neither joins nor breaks a chain: one
+  whose results are all integers or booleans (a comparison, an argmax, an
+  integer convert), a ``sign`` or a ``stop_gradient``, and any operation
+  that only feeds such readers. The accuracy ``mean((p > 0.5) == y)``
+  returned beside a clipped BCE reads ``p`` and leaves its float32 chain as
+  it was; it reads the value the chain rounds to half where it leaves it.
+
   A nested ``jit`` or call is no boundary: ``taken`` are the indices of
   ``jaxpr``'s outputs that the caller reads only in float32 (its chain goes
   on outside). Returns the chain's equation ids; for each nested call
@@ -403,12 +393,20 @@ def feeding_float32(
   outside = {v for i, v in enumerate(jaxpr.outvars) if i in taken and _floating_var(v)}
   returned = {v for v in jaxpr.outvars if _floating_var(v)} - outside
   reads: set[tuple[int, Any]] = set()  # (equation, variable) read in float32.
+  indifferent: set[int] = set()  # Equations that need no precision from their inputs.
   forced: set[int] = set()
   calls: dict[int, frozenset[int]] = {}
 
   def taken_var(v: Any) -> bool:
-    return v not in returned and (v in outside or bool(readers.get(v))) and all(
-        (id(r), v) in reads for r in readers.get(v, ()))
+    mine = readers.get(v, ())
+    return v not in returned and (v in outside or any((id(r), v) in reads for r in mine)) and all(
+        (id(r), v) in reads or id(r) in indifferent for r in mine)
+
+  def needs_no_precision(eqn: Any) -> bool:
+    floating = [v for v in eqn.outvars if _floating_var(v)]
+    return eqn.primitive.name in _INDIFFERENT or all(
+        v not in returned and v not in outside and readers.get(v)
+        and all(id(r) in indifferent for r in readers[v]) for v in floating)
 
   for eqn in reversed(jaxpr.eqns):
     name = eqn.primitive.name
@@ -417,7 +415,9 @@ def feeding_float32(
     elif name in ("jit", "closed_call"):
       # Its body's chain ends at those outputs and may go on before the call.
       calls[id(eqn)] = frozenset(i for i, v in enumerate(eqn.outvars) if taken_var(v))
-      if calls[id(eqn)]:
+      if not calls[id(eqn)] and needs_no_precision(eqn):  # A jitted argmax, say.
+        indifferent.add(id(eqn))
+      elif calls[id(eqn)]:
         inner = feeding_float32(_body(eqn), rule, calls[id(eqn)])[2]
         reads.update((id(eqn), v) for i, v in enumerate(eqn.invars)
                      if i in inner and not hasattr(v, "val"))
@@ -425,6 +425,8 @@ def feeding_float32(
       reads.update((id(eqn), v) for v in eqn.invars if not hasattr(v, "val"))
       if name in _CHAIN:
         forced.add(id(eqn))
+    elif eqn.outvars and needs_no_precision(eqn):
+      indifferent.add(id(eqn))
   inputs = frozenset(i for i, v in enumerate(jaxpr.invars) if _floating_var(v) and taken_var(v))
   return frozenset(forced), {k: v for k, v in calls.items() if v}, inputs
 
