@@ -4,7 +4,9 @@ diffrax's Runge-Kutta stage sums and error estimate (``vector_tree_dot``: a
 tableau row contracted with the stages) and lineax's RMS norm (a sum of
 squares, ``jnp.dot(x, x)``) are ``dot_general``s. Autocast ran them in half,
 and the adaptive solver took up to 2.4x float32's steps. They are no matrix
-products (``autocast/lists.py``'s ``is_matmul``): they run as traced, in
+products (``autocast/lists.py``'s ``is_matmul``: an inner product, or a
+weighted sum of fewer than 16 vectors whose weights are constants or asked for
+at ``Precision.HIGHEST``): they run as traced, in
 float32, while the vector field's matmuls run in half.
 """
 
@@ -20,6 +22,7 @@ from jmp_lite._src import jaxpr_utils
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 FP8 = jmp.Float8Recipe(min_size=0)  # Every matmul in FP8, the smallest too.
+HIGHEST = jax.lax.Precision.HIGHEST
 MODES = {"f16": (F16, None), "bf16": (BF16, None), "fp8": (BF16, FP8)}
 
 
@@ -36,18 +39,20 @@ def test_inner_products_and_weighted_sums_of_few_vectors_run_as_traced(mode, may
             "gemv": x[0] @ w,                                 # one activation, 64 features
             "norm": jnp.sqrt(jnp.dot(x[0], x[0])),            # a sum of squares
             "rows": jax.vmap(jnp.dot)(x, x),                  # batched inner products
-            "stage_sum": jnp.tensordot(row, stages, axes=1),  # 7 weighted stage vectors
-            "batched": jnp.tensordot(row, stages[:, None] * x[None, :4], axes=1)}
+            "stage_sum": jnp.tensordot(row, stages, axes=1, precision=HIGHEST),  # as diffrax
+            "batched": jnp.tensordot(row, stages[:, None] * x[None, :4], axes=1,
+                                     precision=HIGHEST),
+            "few_rows": row[None] @ stages}                   # a row of an activation: a matmul
 
   out = maybe_jit(jmp.autocast(f, dtype, fp8=fp8))(x, w, stages, row)
   want = f(x, w, stages, row)
-  assert out["layer"].dtype == dtype and out["gemv"].dtype == dtype
+  assert out["layer"].dtype == out["gemv"].dtype == out["few_rows"].dtype == dtype
   for name in ("norm", "rows", "stage_sum", "batched"):  # Half before: float32 now, exact.
     assert out[name].dtype == F32, name
     np.testing.assert_array_equal(out[name], want[name], err_msg=name)
   report = jmp.precision_report(f, x, w, stages, row, autocast=True, policy=(
       "mixed_float16" if dtype == F16 else "mixed_bfloat16"), fp8=fp8 or False)
-  assert report.count("matmul") == 2 and report.count("matmul", F32) == 0
+  assert report.count("matmul") == 3 and report.count("matmul", F32) == 0
   assert report.count("reduction", F32) >= 4
 
 

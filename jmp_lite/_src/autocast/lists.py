@@ -14,6 +14,7 @@ import functools
 import math
 from typing import Any, Iterable, Sequence, Union
 
+from jax import lax
 from jax.extend import core as jex_core
 
 from jmp_lite._src import jaxpr_utils
@@ -86,23 +87,35 @@ def contraction_sizes(eqn: Any) -> tuple[int, int, int]:
   return (free(lhs, {*lc, *lb}), math.prod(lhs[i] for i in lc), free(rhs, {*rc, *rb}))
 
 
-def is_matmul(eqn: Any) -> bool:
+def _asks_highest(eqn: Any) -> bool:
+  """Whether the program asked for ``Precision.HIGHEST`` (full float32) on both operands."""
+  p = eqn.params.get("precision")
+  both = p if isinstance(p, tuple) else (p, p)
+  return all(x == lax.Precision.HIGHEST for x in both)
+
+
+def is_matmul(eqn: Any, constant: tuple[bool, bool] = (False, False)) -> bool:
   """Whether a ``dot_general`` is a matrix product, which autocast runs in half.
 
   Two contractions are not, and run in the dtypes of the traced program
-  (float32 for a float32 program): an inner product, where neither operand
-  has a free dimension (``jnp.dot`` of two vectors, a norm's sum of squares,
-  their batched forms under ``vmap``), and a weighted sum of fewer than
-  :data:`FEW_TERMS` vectors, where one operand is a vector of weights over
-  the contracted dimension (diffrax's ``vector_tree_dot`` of a tableau row
-  and the stages). Each is a reduction that reads every element of an operand
-  once, so half only rounds it; a solver's step-size control reads them.
-  A layer (weights by a batch of activations, both with free dimensions) is
-  a matrix product at any size; so is one activation by a weight matrix
-  contracting at least ``FEW_TERMS`` features (torch's ``mv``).
+  (float32 for a float32 program):
+
+  * an inner product, where neither operand has a free dimension
+    (``jnp.dot`` of two vectors, a norm's sum of squares, their batched forms
+    under ``vmap``): a reduction, as torch's ``dot`` and ``vdot`` are;
+  * a weighted sum of fewer than :data:`FEW_TERMS` vectors, where one operand
+    is a vector of weights over the contracted dimension that is a constant
+    or that the program contracts at ``Precision.HIGHEST`` (diffrax's
+    ``vector_tree_dot`` of a tableau row and the stages asks for it).
+
+  A solver's step-size control reads both. A layer (weights by a batch of
+  activations) is a matrix product at any size, and so is one activation by
+  a weight matrix (torch's ``mv``): ``vmap(autocast(f))`` and
+  ``autocast(vmap(f))`` agree.
 
   Args:
     eqn: a ``dot_general`` equation (of the traced program or evaluated).
+    constant: whether each operand is a constant of the program.
 
   Returns:
     ``True`` for a matrix product.
@@ -112,15 +125,20 @@ def is_matmul(eqn: Any) -> bool:
     >>> def dots(eqns):
     ...   return [is_matmul(e) for e in eqns if e.primitive.name == "dot_general"]
     >>> x, w, stages = jnp.ones((32, 64)), jnp.ones((64, 8)), jnp.ones((7, 64))
-    >>> dots(jax.make_jaxpr(lambda x, w: x @ w)(x, w).eqns)
-    [True]
-    >>> dots(jax.make_jaxpr(lambda k: jnp.arange(7.0) @ k)(stages).eqns)
+    >>> dots(jax.make_jaxpr(lambda x, w: (x @ w, x[0] @ w))(x, w).eqns)
+    [True, True]
+    >>> row_sum = lambda r, k: jnp.tensordot(r, k, axes=1, precision=jax.lax.Precision.HIGHEST)
+    >>> dots(jax.make_jaxpr(row_sum)(jnp.ones(7), stages).eqns)
     [False]
     >>> dots(jax.make_jaxpr(jax.vmap(lambda v: jnp.dot(v, v)))(x).eqns)
     [False]
   """
   m, k, n = contraction_sizes(eqn)
-  return min(m, n) > 1 or (max(m, n) > 1 and k >= FEW_TERMS)
+  if m == 1 and n == 1:
+    return False
+  if min(m, n) > 1 or k >= FEW_TERMS:
+    return True
+  return not (constant[0 if m == 1 else 1] or _asks_highest(eqn))
 
 
 _TARGETS = ("half", "float32", "promote", "original")
