@@ -301,6 +301,9 @@ class _Evaluator:
     rule = self.cfg.lists.rule(name)
     if name == "mul" and eqn.invars[0] is eqn.invars[1] and rule == "promote":
       rule = self.cfg.lists.rule("square")  # x * x is a square (jnp.linalg.norm writes it so).
+    if rule == "half" and name == "dot_general" and not autocast_lists.is_matmul(
+        eqn, (metas[0].kind == rules.CONST, metas[1].kind == rules.CONST)):
+      rule = "original"  # An inner product or a weighted sum of a few vectors: a reduction.
     if (rule != "original" and (any(value_dtype(ins[i]) not in ELIGIBLE for i in floats)
                                 or (name not in _FIRST_ORDER and any(jaxpr_utils.subjaxprs(eqn)))
                                 or eqn.params.get("out_dtype") is not None)):

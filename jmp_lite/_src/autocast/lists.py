@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterable, Union
+import math
+from typing import Any, Iterable, Sequence, Union
 
+from jax import lax
 from jax.extend import core as jex_core
 
 from jmp_lite._src import jaxpr_utils
 
 # torch's lower-precision (fp16) list: matmuls, convolutions and the ops built on
 # them (linear, bmm, einsum, RNN cells, attention). In JAX all of these lower to
-# these primitives.
+# these primitives. A dot_general that is no matrix product (see is_matmul) runs
+# as traced instead, as torch's dot, vdot and tensordot do.
 HALF_OPS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 # torch's fp32 and fp32_set_opt_dtype lists, as the primitives their ops lower to:
@@ -66,6 +69,77 @@ OWN_RULES = frozenset({
     "jit", "closed_call", "call", "remat2", "scan", "while", "cond", "custom_jvp_call",
     "custom_vjp_call", "shard_map", "convert_element_type",
 })
+
+# A contraction over fewer terms than this, one of whose operands is a vector of
+# weights, is a weighted sum of a few vectors: a Runge-Kutta stage sum or error
+# estimate (diffrax's tableaus have at most 14 stages), not a layer.
+FEW_TERMS = 16
+
+
+def contraction_sizes(eqn: Any) -> tuple[int, int, int]:
+  """A ``dot_general``'s sizes ``(M, K, N)``: lhs free, contracting, rhs free (batch dims left out)."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+
+  def free(shape: Sequence[int], dims: set[int]) -> int:
+    return math.prod(d for i, d in enumerate(shape) if i not in dims)
+
+  return (free(lhs, {*lc, *lb}), math.prod(lhs[i] for i in lc), free(rhs, {*rc, *rb}))
+
+
+def _asks_highest(eqn: Any) -> bool:
+  """Whether the program asked for ``Precision.HIGHEST`` (full float32) on both operands."""
+  p = eqn.params.get("precision")
+  both = p if isinstance(p, tuple) else (p, p)
+  return all(x == lax.Precision.HIGHEST for x in both)
+
+
+def is_matmul(eqn: Any, constant: tuple[bool, bool] = (False, False)) -> bool:
+  """Whether a ``dot_general`` is a matrix product, which autocast runs in half.
+
+  Two contractions are not, and run in the dtypes of the traced program
+  (float32 for a float32 program):
+
+  * an inner product, where neither operand has a free dimension
+    (``jnp.dot`` of two vectors, a norm's sum of squares, their batched forms
+    under ``vmap``): a reduction, as torch's ``dot`` and ``vdot`` are;
+  * a weighted sum of fewer than :data:`FEW_TERMS` vectors, where one operand
+    is a vector of weights over the contracted dimension that is a constant
+    or that the program contracts at ``Precision.HIGHEST`` (diffrax's
+    ``vector_tree_dot`` of a tableau row and the stages asks for it).
+
+  A solver's step-size control reads both. A layer (weights by a batch of
+  activations) is a matrix product at any size, and so is one activation by
+  a weight matrix (torch's ``mv``): ``vmap(autocast(f))`` and
+  ``autocast(vmap(f))`` agree.
+
+  Args:
+    eqn: a ``dot_general`` equation (of the traced program or evaluated).
+    constant: whether each operand is a constant of the program.
+
+  Returns:
+    ``True`` for a matrix product.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> def dots(eqns):
+    ...   return [is_matmul(e) for e in eqns if e.primitive.name == "dot_general"]
+    >>> x, w, stages = jnp.ones((32, 64)), jnp.ones((64, 8)), jnp.ones((7, 64))
+    >>> dots(jax.make_jaxpr(lambda x, w: (x @ w, x[0] @ w))(x, w).eqns)
+    [True, True]
+    >>> row_sum = lambda r, k: jnp.tensordot(r, k, axes=1, precision=jax.lax.Precision.HIGHEST)
+    >>> dots(jax.make_jaxpr(row_sum)(jnp.ones(7), stages).eqns)
+    [False]
+    >>> dots(jax.make_jaxpr(jax.vmap(lambda v: jnp.dot(v, v)))(x).eqns)
+    [False]
+  """
+  m, k, n = contraction_sizes(eqn)
+  if m == 1 and n == 1:
+    return False
+  if min(m, n) > 1 or k >= FEW_TERMS:
+    return True
+  return not (constant[0 if m == 1 else 1] or _asks_highest(eqn))
+
 
 _TARGETS = ("half", "float32", "promote", "original")
 

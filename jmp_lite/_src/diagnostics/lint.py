@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
+from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src.fp8 import recipe as fp8_lib
 from jmp_lite._src.diagnostics import mixed_dtypes
 from jmp_lite._src.diagnostics import constants
@@ -120,6 +121,8 @@ def _pinned(
   """A float32 matmul/conv under a half policy: its pending reason (see :func:`_rank_causes`)."""
   if compute not in _HALF or dtype != "float32":
     return None
+  if eqn.primitive.name == "dot_general" and not autocast_lists.is_matmul(eqn):
+    return None  # An inner product or a weighted sum: a reduction, float32 by autocast's rule.
   causes = provenance.ordered(origins.cause(eqn.invars[:2])) or ["upcast"]
   if {"carry", "random"} & set(causes):  # Made inside the function, said more precisely.
     causes = [c for c in causes if c != "made"]

@@ -15,6 +15,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src.diagnostics import mixed_dtypes
 from jmp_lite._src.fp8 import recipe as fp8_lib
 from jmp_lite._src import jaxpr_utils
@@ -54,7 +55,8 @@ class PrecisionReport(NamedTuple):
   Attributes:
     counts: ``{kind: {dtype name: number of operations}}`` for the kinds in
       ``KINDS`` order: ``"matmul"`` (``dot_general``), ``"conv"``,
-      ``"exp/log"``, ``"reduction"``, ``"norm stats"`` (reductions feeding
+      ``"exp/log"``, ``"reduction"`` (an inner product or a weighted sum
+      of a few vectors, which autocast does not count as a matmul, is one), ``"norm stats"`` (reductions feeding
       an ``rsqrt``/``sqrt``: means and variances of a normalisation) and
       ``"other"`` (every other floating computation). A matmul on
       quantise-dequantised float8 operands is counted under its float8
@@ -128,8 +130,8 @@ def _in_dtype(eqn: Any) -> str:
 
 def _kind(eqn: Any, readers: Mapping[Any, list[Any]]) -> Union[str, None]:
   name = eqn.primitive.name
-  if name in _MATMULS:
-    return "matmul"
+  if name in _MATMULS:  # An inner product or weighted sum is a reduction (autocast's rule).
+    return "reduction" if name == "dot_general" and not autocast_lists.is_matmul(eqn) else "matmul"
   if name in _CONVS:
     return "conv"
   if name in _EXP_LOG:
