@@ -17,6 +17,7 @@ within ``FACTOR`` of its float32 one, with finite params.
 """
 
 import functools
+import warnings
 import inspect
 
 import jax
@@ -141,14 +142,36 @@ def _float32_loss(name):
   return float(loss)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xdist_group(f"contrib_{n}"),
-                                                         *MARKS.get(n, [])])
-                                  for n in OPTIMIZERS])
+# Open in issue 43 (strict: a fix must remove the entry). D-Adaptation's step-size estimate
+# reads the coded moments' sums; with int8's unbiased codes it ends at 0.152 against float32's
+# 0.060 (float8 passes).
+OPEN = {("dadapt_adamw", "int8"): "D-Adaptation with int8 state ends at 2.5x float32's loss"}
+
+
+@pytest.mark.parametrize("name,fmt", [
+    pytest.param(n, f, id=f"{n}-{f}",
+                 marks=[pytest.mark.xdist_group(f"contrib_{n}"), *MARKS.get(n, []),
+                        *([pytest.mark.xfail(strict=True, reason=OPEN[n, f])]
+                          if (n, f) in OPEN else [])])
+    for n in OPTIMIZERS for f in FORMATS])
 def test_contrib_optimizer_converges_with_coded_state(name, fmt):
   reference = _float32_loss(name)
   assert reference < 0.1, f"{name} in float32 ends at {reference:.3g}: retune OPTIMIZERS"
-  params, loss = _train(jmp.quantize_state(OPTIMIZERS[name](), fmt, min_size=0), name)
+  tx = jmp.quantize_state(OPTIMIZERS[name](), fmt, min_size=0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    params, loss = _train(tx, name)
+    state_shapes = jax.eval_shape(tx.init, _problem()[2])
+  nothing_coded = [w for w in caught if "codes no leaf" in str(w.message)]
+  for w in caught:
+    if w not in nothing_coded:  # any other warning fails the test, as the suite's filter would
+      raise AssertionError(f"{name} {fmt}: unexpected warning {w.message}")
+  coded = [x for x in jax.tree.leaves(state_shapes,
+                                      is_leaf=lambda v: isinstance(v, jmp.QuantizedArray))
+           if isinstance(x, jmp.QuantizedArray)]
+  # The warning says the truth: it fires exactly when the state holds no coded leaf
+  # (dog, dowg and schedule-free keep only copies of the params and scalars).
+  assert bool(nothing_coded) == (not coded), (name, fmt, len(nothing_coded), len(coded))
   for leaf in jax.tree.leaves(params):
     assert bool(jnp.all(jnp.isfinite(leaf))), f"{name} {fmt}: non-finite params"
   assert float(loss) <= FACTOR * reference, (
