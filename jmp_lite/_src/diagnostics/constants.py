@@ -45,7 +45,8 @@ def _rounded_there(eqn: Any, position: int) -> bool:
 
   ``x + 1e-8`` with a half ``x`` holds ``0.0:f16``; ``jnp.where`` and
   ``jnp.clip`` take a Python scalar as float32 and cast it to the other
-  operand's dtype inside, when that dtype is half. A float32 literal
+  operand's dtype inside, when that dtype is half (or when the result is weakly
+  typed, two Python scalars, and so takes the half dtype it meets). A float32 literal
   elsewhere (a statistic's eps that a library computes in float32,
   ``jax.random``'s bounds, ``finfo(float32).min`` masking an attention pinned
   to float32) stays float32.
@@ -53,7 +54,12 @@ def _rounded_there(eqn: Any, position: int) -> bool:
   if jaxpr_utils.dtype_of(eqn.invars[position]) in rules.HALVES:
     return True
   return (eqn.primitive.name == "jit" and eqn.params.get("name") in _CASTING_CALLS
-          and any(jaxpr_utils.dtype_of(v) in rules.HALVES for v in eqn.outvars))
+          and any(jaxpr_utils.dtype_of(v) in rules.HALVES or _weak(v) for v in eqn.outvars))
+
+
+def _weak(var: Any) -> bool:
+  """A weakly typed result (``jnp.where(m, 0.0, -1e9)``): it takes the half dtype it meets."""
+  return bool(getattr(getattr(var, "aval", None), "weak_type", False))
 
 
 def _text(value: Any) -> str:
