@@ -424,3 +424,19 @@ def test_a_float32_value_meeting_a_half_conv_is_a_finding_not_a_crash():
   report = jmp.precision_report(loss_fn, conv, batch, policy=F16, autocast=True)
   assert report.count("conv", jnp.float16) == 1
   assert jmp.precision_lint(lambda m, b: loss_fn(m, b, cast=True), conv, batch, policy=F16) == []
+
+
+def test_a_finding_names_its_own_call_site_when_jax_reuses_a_cached_body():
+  # jnp.matmul is itself jitted: JAX traces its body once per shapes and hands every
+  # later caller that jaxpr, with the first caller's traceback. A second function's
+  # finding named the first function's line (found when the jax.nn corpus ran first).
+  params, x = {"w1": jnp.ones((16, 24))}, jnp.ones((8, 16))
+  first = lambda p, x: jnp.mean((x @ p["w1"]).astype(jnp.float32))  # noqa: E731
+  second = lambda p, x: jnp.mean((x @ p["w1"]).astype(jnp.float32))  # noqa: E731
+  recipe = jmp.Float8Recipe(min_size=0)
+  found = [jmp.precision_lint(f, params, x, policy="mixed_bfloat16", autocast=True, fp8=recipe)
+           for f in (first, second)]
+  assert all(found), found  # output features 24: not a multiple of 16 for FP8
+  sources = [{f.source for f in fs} for fs in found]
+  assert len(sources[0]) == len(sources[1]) == 1 and sources[0] != sources[1], sources
+  assert all("test_lint.py" in s for group in sources for s in group), sources

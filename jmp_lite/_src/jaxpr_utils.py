@@ -228,13 +228,31 @@ def source_of(eqn: Any, roots: tuple[str, ...], fallback: bool = True) -> Union[
 
   Without such a frame: the first frame inside ``roots`` if ``fallback``, else ``None``.
   """
-  if _source_info_util is None or eqn is None:
-    return None
-  frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
-  user = [f for f in frames if not os.path.abspath(f.file_name).startswith(roots)]
+  user, frames = _frames(eqn, roots)
   if not (user or (frames and fallback)):
     return None
-  frame = (user or frames)[0]
+  return _where((user or frames)[0])
+
+
+def user_sources(eqn: Any, roots: tuple[str, ...]) -> list[str]:
+  """Every user frame of ``eqn``'s traceback (``roots``' too), as :func:`source_of` writes one.
+
+  A jaxpr that JAX cached (``jnp.matmul``'s body, a helper under ``jit``) keeps
+  the traceback of its first trace: when the call being read is not among
+  these frames, the equation's own source belongs to another call site.
+  """
+  return [_where(f) for f in _frames(eqn, roots)[1]]
+
+
+def _frames(eqn: Any, roots: tuple[str, ...]) -> tuple[list[Any], list[Any]]:
+  """(frames outside ``roots``, all user frames) of ``eqn``'s traceback."""
+  if _source_info_util is None or eqn is None:
+    return [], []
+  frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
+  return [f for f in frames if not os.path.abspath(f.file_name).startswith(roots)], frames
+
+
+def _where(frame: Any) -> str:
   name = frame.file_name
   try:
     rel = os.path.relpath(name)

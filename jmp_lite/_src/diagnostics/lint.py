@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
@@ -152,16 +153,23 @@ def _rank_causes(findings: LintFindings, compute: np.dtype) -> LintFindings:
 
 def _lint_jaxpr(
     jaxpr: Any, ctx: _Context, findings: list[LintFinding], outer: Union[str, None],
-    inputs: Sequence[provenance.Labels],
+    inputs: Sequence[provenance.Labels], cached: bool = False,
 ) -> list[provenance.Labels]:
   """Appends the findings of ``jaxpr``; returns the labels of its outputs.
 
   ``outer`` is the source of the equation holding ``jaxpr``, ``inputs`` the
-  provenance labels of its inputs.
+  provenance labels of its inputs; ``cached``: ``jaxpr`` is a jit's body.
   """
   def source(eqn: Any) -> Union[str, None]:
-    # Sub-jaxprs may lack tracebacks, or only frames inside a library (a Flax scan body).
-    return jaxpr_utils.source_of(eqn, ctx.roots, fallback=outer is None) or outer
+    # Sub-jaxprs may lack tracebacks, or only frames inside a library (a Flax scan body),
+    # or the traceback of another call site that JAX traced the same body for first.
+    own = jaxpr_utils.source_of(eqn, ctx.roots, fallback=outer is None)
+    if own is None:
+      return outer
+    if (cached and outer is not None and not os.path.abspath(outer.rsplit(":", 1)[0]).startswith(ctx.roots)
+        and outer not in jaxpr_utils.user_sources(eqn, ctx.roots)):
+      return outer  # The user's call is not in this body's traceback: JAX traced it for another.
+    return own
 
   readers = jaxpr_utils.consumers(jaxpr)
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -179,7 +187,10 @@ def _lint_sub(
     eqn: Any, sub: Any, inputs: list[provenance.Labels],
 ) -> list[provenance.Labels]:
   """Lints ``sub``, a jaxpr of ``eqn``: its findings fall back to ``eqn``'s source."""
-  return _lint_jaxpr(sub, ctx, findings, source(eqn), inputs)
+  # A jit's body is traced once per function and types, and JAX hands later callers
+  # that jaxpr with its first caller's traceback.
+  return _lint_jaxpr(sub, ctx, findings, source(eqn), inputs,
+                     cached=eqn.primitive.name in ("jit", "pjit"))
 
 
 def _eqn_findings(

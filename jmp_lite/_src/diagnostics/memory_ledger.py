@@ -150,13 +150,12 @@ def memory_ledger(x: Any) -> MemoryLedger:
     >>> print(ledger)  # doctest: +NORMALIZE_WHITESPACE
     part             stored as       elements   bytes  bytes/param
     params           bfloat16          16,384  32,768        2.000
-    optimizer state  int32                  1       4        0.000
-    optimizer state  int8 codes        16,384  16,384        1.000
+    optimizer state  int32                  2       8        0.000
+    optimizer state  uint8 codes       32,768  32,768        2.000
     optimizer state  float32 scales       128     512        0.031
-    optimizer state  uint8 codes       16,384  16,384        1.000
     step and key     int32                  1       4        0.000
     step and key     PRNG key               1       8        0.000
-    total                                      66,064        4.032
+    total                                      66,068        4.032
   """
   tally: dict[tuple[str, str], list[int]] = {}
   if isinstance(x, train_state_lib.TrainState):
