@@ -5,8 +5,9 @@ A policy casts params and inputs; a model whose layers cast back to float32
 matmul in float32 under ``mixed_float16``, and nothing in training shows it.
 The step traces its program anyway: on its first call :class:`TrainStep`
 traces it (``jax.jit(...).trace``, which the call then reuses), and
-:func:`check` counts the FLOPs of the matmuls and convolutions that
-``loss_fn`` and its gradient run (the equations under :data:`LOSS_SCOPE`, a
+:func:`check` counts the FLOPs of the matmuls (as autocast counts them:
+:func:`autocast_lists.is_matmul`, not a norm's inner product) and
+convolutions that ``loss_fn`` and its gradient run (the equations under :data:`LOSS_SCOPE`, a
 ``jax.named_scope`` that :func:`step_stages.scaled_gradient` opens), by
 whether their operands are half (float16, bfloat16 or float8). Under a
 tenth in half is a :class:`NothingInHalfWarning`, with its cause as
@@ -23,6 +24,7 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 
 from jmp_lite._src import jaxpr_utils
+from jmp_lite._src.autocast import lists as autocast_lists
 
 # The named scope the step runs loss_fn (and so its gradient) in.
 LOSS_SCOPE = "jmp_loss_fn"
@@ -77,10 +79,11 @@ def _flops(eqn: Any) -> int:
   return 2 * math.prod(out) * (math.prod(rhs) // max(channels, 1))
 
 
-def _is_half(eqn: Any) -> bool:
-  dtypes = [jaxpr_utils.dtype_of(v) for v in eqn.invars[:2]]
-  return all(jaxpr_utils.is_floating(d) and d.itemsize <= _HALF_ITEMSIZE  # type: ignore[union-attr]
-             for d in dtypes)
+def _is_product(eqn: Any) -> bool:
+  """A convolution, or a ``dot_general`` that autocast counts as a matmul (not a norm)."""
+  name = eqn.primitive.name
+  return name == "conv_general_dilated" or (name == "dot_general"
+                                            and autocast_lists.is_matmul(eqn))
 
 
 def matmul_flops(jaxpr: Any, inside: bool = False, times: int = 1) -> tuple[int, int, int, int]:
@@ -92,10 +95,11 @@ def matmul_flops(jaxpr: Any, inside: bool = False, times: int = 1) -> tuple[int,
   for eqn in jaxpr.eqns:
     here = inside or LOSS_SCOPE in str(eqn.source_info.name_stack)
     name = eqn.primitive.name
-    if here and name in ("dot_general", "conv_general_dilated"):
+    if here and _is_product(eqn):
       dtypes = [jaxpr_utils.dtype_of(v) for v in eqn.invars[:2]]
       if all(jaxpr_utils.is_floating(d) for d in dtypes):
-        flops, is_half = _flops(eqn) * times, _is_half(eqn)
+        flops = _flops(eqn) * times
+        is_half = all(d.itemsize <= _HALF_ITEMSIZE for d in dtypes)  # type: ignore[union-attr]
         total, n = total + flops, n + 1
         half, n_half = half + flops * is_half, n_half + is_half
     repeat = times * (eqn.params["length"] if name == "scan" else 1)
