@@ -172,12 +172,8 @@ def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, A
   return found
 
 
-def _mib(n: int) -> str:
-  return f"{n / 2**20:.1f}"
-
-
 def _by_dtype(parts: dict[str, int]) -> str:
-  return ", ".join(f"{d} {_mib(n)}" for d, n in parts.items()) or "-"
+  return ", ".join(f"{d} {report.mib(n)}" for d, n in parts.items()) or "-"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -197,15 +193,13 @@ def markdown(result: dict[str, Any]) -> str:
       other = ", ".join(f"{n} {k}" for k, n in counts.items()
                         if not k.startswith(("all-gather", "all-reduce"))) or "-"
       lines.append(
-          f"| {r['variant']} | {_mib(r['temp_bytes'])} | {counts.get('all-gather', 0)} | "
+          f"| {r['variant']} | {report.mib(r['temp_bytes'])} | {counts.get('all-gather', 0)} | "
           f"{_by_dtype(r['bytes'].get('all-gather', {}))} | {r['float8_gather_share']:.2f} | "
           f"{counts.get('all-reduce', 0)} ({counts.get('all-reduce maximum', 0)}) | {_by_dtype(r['bytes'].get('all-reduce', {}))} | "
           f"{other} | {r['fp8_gemms']}/{r['gemms']} |")
     lines.append("")
   if result["bars"]:
-    lines += ["| bar | model | value | limit | result |", "|---|---|---|---|---|"]
-    lines += [f"| {b['what']} | {b['model']} | {b['value']:.3f} | <= {b['limit']:.3f} | "
-              f"{report.bar_status(b)} |" for b in result["bars"]]
+    lines += report.bars_table(result["bars"])
   return "\n".join(lines) + "\n"
 
 
@@ -248,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
       row = dict(model=name, **measure(variant, problem, mesh, cache))
       counts = row["counts"]
-      print(f"{name:12s} {variant:16s} temp {_mib(row['temp_bytes']):>8s} MiB  "
+      print(f"{name:12s} {variant:16s} temp {report.mib(row['temp_bytes']):>8s} MiB  "
             f"all-gather {counts.get('all-gather', 0):3d} ({_by_dtype(row['bytes'].get('all-gather', {}))})"
             f"  float8 {row['float8_gather_share']:.2f}  all-reduce {counts.get('all-reduce', 0):3d} (amax {counts.get('all-reduce maximum', 0)})"
             f"  {'(cached)' if row['cached'] else 'compiled in %.0f s' % row['compile_s']}",

@@ -125,10 +125,6 @@ def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, A
   return found
 
 
-def _mib(n: int) -> str:
-  return f"{n / 2**20:.1f}"
-
-
 def _kinds(kinds: dict[str, int]) -> str:
   return ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
 
@@ -145,7 +141,7 @@ def summary_tables(result: dict[str, Any]) -> list[str]:
   lines = ["Temp MiB of one compiled step (XLA's default flags):", "",
            "| model | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
   for m in model_names:
-    cells = [_mib(index[m, "default", v]["temp_bytes"]) if (m, "default", v) in index else "n/a"
+    cells = [report.mib(index[m, "default", v]["temp_bytes"]) if (m, "default", v) in index else "n/a"
              for v in present]
     lines.append(f"| {m} | " + " | ".join(cells) + " |")
   fp8 = [v for v in ("bf16_fp8", "bf16_fp8_rowwise") if v in present]
@@ -179,8 +175,8 @@ def markdown(result: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
       lines.append(
-          f"| {r['variant']} | {_mib(r['temp_bytes'])} | {_mib(r['argument_bytes'])} | "
-          f"{_mib(r['output_bytes'])} | {_mib(r['alias_bytes'])} | {r['gemms']} | "
+          f"| {r['variant']} | {report.mib(r['temp_bytes'])} | {report.mib(r['argument_bytes'])} | "
+          f"{report.mib(r['output_bytes'])} | {report.mib(r['alias_bytes'])} | {r['gemms']} | "
           f"{r['fp8_fraction']:.2f} | {_kinds(r['gemm_kinds'])} | {_kinds(r['conv_kinds'])} |")
     lines.append("")
   if result["bars"]:
@@ -234,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     for flags in flag_sets:
       for variant in variants:
         row = dict(model=name, flags=flags, **measure(variant, problem, args.target, FLAG_SETS[flags]))
-        print(f"{name:12s} {flags:15s} {variant:14s} temp {_mib(row['temp_bytes']):>9s} MiB  "
+        print(f"{name:12s} {flags:15s} {variant:14s} temp {report.mib(row['temp_bytes']):>9s} MiB  "
               f"FP8 share {row['fp8_fraction']:.2f}  {_kinds(row['gemm_kinds'])}", flush=True)
         rows.append(row)
   bars = check_bars(rows, meaningful=not args.smoke)

@@ -28,7 +28,8 @@ OUT_HELP = ("output folder (default: out/ at the repository root, which git igno
 SMOKE_STATUS = "SMOKE (not meaningful)"
 
 
-def _mb(x: int | None) -> str:
+def mib(x: int | None) -> str:
+  """Bytes as MiB with one decimal (``n/a`` for ``None``), as every benchmark table prints them."""
   return "n/a" if x is None else f"{x / 2**20:.1f}"
 
 
@@ -100,8 +101,8 @@ def markdown(result: dict[str, Any]) -> str:
       lines.append(
           f"| {v['label']} | {st['median'] * 1e3:.2f} [{st['min'] * 1e3:.2f}, "
           f"{st['max'] * 1e3:.2f}] | {v['examples_per_s']:.0f} | {_fmt(t_rel)} | "
-          f"{v['lower_s'] + v['compile_s']:.2f} | {_mb(mem['temp'])} | {_mb(mem['total'])} | "
-          f"{_fmt(temp_rel)} | {_mb(v['peak_bytes'])} | {_fmt(v.get('tflops_per_s'), '.2f')} | "
+          f"{v['lower_s'] + v['compile_s']:.2f} | {mib(mem['temp'])} | {mib(mem['total'])} | "
+          f"{_fmt(temp_rel)} | {mib(v['peak_bytes'])} | {_fmt(v.get('tflops_per_s'), '.2f')} | "
           f"{'n/a' if frac is None else f'{frac:.1%}'} |"
       )
     r = m["ratios"]
