@@ -49,6 +49,11 @@ _THIS = pathlib.Path(__file__).resolve()
 # stateless ones (sign_sgd, noisy_sgd, polyak_sgd, ...) too: for them the warning is right,
 # and under filterwarnings=error it would fail the test that optax wrote for the optimizer.
 NOTHING_CODED = pytest.mark.filterwarnings("ignore:quantize_state codes no leaf:UserWarning")
+# optax runs these tests with warnings as warnings; two they raise here are not about the
+# optimizers: L-BFGS's tests ask for float64 zeros without x64 (JAX truncates them and says
+# so) and call scikit-learn's LogisticRegression with its deprecated ``penalty``.
+OPTAX_OWN = (pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning"),
+             pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning"))
 
 
 def alias_test_path() -> pathlib.Path:
@@ -110,6 +115,8 @@ class AliasTestModule(pytest.Module):
     collected = super().collect()
     for node in collected:
       node.add_marker(pytest.mark.slow)  # 10,000-step loops: minutes per format
+      for mark in OPTAX_OWN:
+        node.add_marker(mark)
       if self.fmt != "unwrapped":
         node.add_marker(NOTHING_CODED)
     return collected

@@ -15,6 +15,14 @@ inputs, and each output leaf is
 - ``"count"`` when it is not floating (counts, PRNG keys, flags).
 - ``"other"`` for the rest (scalars, factored statistics, hyperparameters).
 
+A moment must also be one in ``update``: traced once at ``init`` with zero
+gradients, its new value must reach its old one through element-wise
+arithmetic (``b * m + (1 - b) * g``). A leaf that is zeros at ``init`` but
+that the update overwrites or rebuilds (L-BFGS's last params, gradient and
+line-search memory) is ``"rewritten"``, and never coded: its next value does
+not average rounding errors away, and the update subtracts it from a fresh
+one (``g - g_prev``).
+
 Data flow is followed into nested ``jit`` and ``custom_jvp`` bodies; any
 other higher-order primitive (``scan``, ``while``, ``cond``) that reads a
 parameter is taken to pass it to all its outputs, so that a doubt keeps a
@@ -28,6 +36,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -36,11 +45,21 @@ from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import tree_utils
 
 MOMENT, PARAMS, COUNT, OTHER = "moment", "params", "count", "other"
-KINDS = (MOMENT, PARAMS, COUNT, OTHER)
+REWRITTEN = "rewritten"  # moment-like at init, but the update does not keep it as an average
+KINDS = (MOMENT, PARAMS, COUNT, OTHER, REWRITTEN)
 
 # Higher-order primitives whose one body maps inputs to outputs one for one.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "remat",
                     "checkpoint", "remat2"})
+
+# Element-wise primitives: a moving average's new value reaches its old one through
+# these only (``b * m + (1 - b) * g``, a select that keeps it on a skipped step).
+_ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "select_n",
+    "clamp", "integer_pow", "square", "sqrt", "rsqrt", "pow", "exp", "log", "log1p", "expm1",
+    "tanh", "logistic", "convert_element_type", "copy", "copy_p", "reduce_precision",
+    "stop_gradient", "pvary",
+})
 
 _UNTRACEABLE = (
     "quantize_state could not trace {tx}'s init with the parameters as inputs ({error}). It "
@@ -63,6 +82,106 @@ def _depends(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
       outs = [True] * len(eqn.outvars)
     dep.update(v for v, d in zip(eqn.outvars, outs) if d)
   return [isinstance(v, jex_core.Var) and v in dep for v in jaxpr.outvars]
+
+
+def _elementwise_from(jaxpr: Any, sources: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+  """For each output of ``jaxpr``: the inputs it reaches through element-wise steps only.
+
+  ``sources[i]`` labels input ``i`` (a set of leaf numbers). An output is
+  labelled with the union of the labels of the inputs from which a chain of
+  element-wise equations leads to it, each step from an operand of the
+  step's own shape (no broadcast, reduction, slice or loop in between).
+  Nested ``jit``, ``custom_jvp`` and ``cond`` bodies are followed (a
+  ``cond``'s outputs take the union over its branches); any other
+  higher-order primitive cuts the chain.
+  """
+  labels: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources))
+
+  def label(v: Any) -> frozenset[int]:
+    return labels.get(v, frozenset()) if isinstance(v, jex_core.Var) else frozenset()
+
+  for eqn in jaxpr.eqns:
+    ins = [label(v) for v in eqn.invars]
+    if not any(ins):
+      continue
+    name, subs = eqn.primitive.name, list(jaxpr_utils.subjaxprs(eqn))
+    if name in _ELEMENTWISE and len(eqn.outvars) == 1:
+      shape = getattr(eqn.outvars[0].aval, "shape", None)
+      outs = [frozenset().union(*(l for v, l in zip(eqn.invars, ins)
+                                  if getattr(v.aval, "shape", None) == shape))]
+    elif name == "cond":  # operands follow the branch index
+      per_branch = [_elementwise_from(b, ins[1:]) for b in subs]
+      outs = [frozenset().union(*o) for o in zip(*per_branch)]
+    elif (name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins)
+          and len(subs[0].outvars) == len(eqn.outvars)):
+      outs = _elementwise_from(subs[0], ins)
+    else:
+      continue
+    labels.update((v, o) for v, o in zip(eqn.outvars, outs) if o)
+  return [label(v) for v in jaxpr.outvars]
+
+
+def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] | None:
+  """For each leaf of ``state``: whether ``update`` keeps it as a running value of itself.
+
+  ``update(grads, state, params)`` is traced with zero gradients; a leaf is
+  a running value (a moving average, a momentum, an accumulator) when its
+  new value reaches its old one through element-wise arithmetic (see
+  :func:`_elementwise_from`). A leaf the update overwrites (L-BFGS's last
+  params and gradient) or rebuilds through a loop or a reduction (a line
+  search's memory) is not one. When the update needs extra arguments, the
+  keywords of optax's value-and-gradient protocol (``value``, ``grad``,
+  ``value_fn``) are given stand-ins; ``None`` if it still cannot be traced.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.ones(3)}
+    >>> averages(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)
+    [False, True, True]
+    >>> lbfgs = optax.lbfgs()
+    >>> averages(lbfgs.update, lbfgs.init(params), params)[1:3]  # its last params and gradient
+    [False, False]
+  """
+  traced, spec = filtering.partition(state)
+  where = [i for i, x in enumerate(traced) if x is not None]
+  zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def value_fn(p: Any, *args: Any, **kwargs: Any) -> jax.Array:
+    del args, kwargs
+    return sum((jnp.sum(x) for x in jax.tree.leaves(p)), jnp.zeros(()))
+
+  stand_ins = ({}, {"value": jnp.zeros(()), "grad": zeros, "value_fn": value_fn})
+  for extra in stand_ins:
+    def new_state(*arrays: Any, extra: dict[str, Any] = extra) -> Any:
+      full = list(traced)
+      for i, a in zip(where, arrays):
+        full[i] = a
+      return update(zeros, filtering.combine(full, spec), params, **extra)[1]
+
+    try:
+      closed, shapes = jax.make_jaxpr(new_state, return_shape=True)(*[traced[i] for i in where])
+    except Exception:  # pylint: disable=broad-exception-caught  # try the next stand-ins
+      continue
+    if len(jax.tree.leaves(shapes)) != len(traced):  # the update changed the structure
+      return None
+    reached = _elementwise_from(closed.jaxpr, [frozenset({i}) for i in where])
+    return [i in r for i, r in enumerate(reached)]
+  return None
+
+
+def refine(state_kinds: list[str], running: list[bool] | None) -> list[str]:
+  """``state_kinds`` with each moment that :func:`averages` found no running value made ``"rewritten"``.
+
+  With ``running`` None (an update that could not be traced) the kinds stay
+  as ``init`` showed them.
+
+  Examples:
+    >>> refine(["count", "moment", "moment"], [True, True, False])
+    ['count', 'moment', 'rewritten']
+  """
+  if running is None:
+    return list(state_kinds)
+  return [REWRITTEN if k == MOMENT and not r else k for k, r in zip(state_kinds, running)]
 
 
 def kinds(init: Callable[[Any], Any], params: Any, n_leaves: int, name: str) -> list[str]:
@@ -174,9 +293,13 @@ def _nothing_coded(state_kinds: list[str], small: list[int], kept: int, min_size
   moments = state_kinds.count(MOMENT)
   if not moments:
     why = ("its state has no moment: no floating leaf shaped like a parameter whose initial "
-           "value is independent of the parameters' values")
+           "value is independent of the parameters' values and that the update keeps as a "
+           "running value of itself")
     if PARAMS in state_kinds:
       why += f" ({state_kinds.count(PARAMS)} leaves copy or depend on the parameters: never coded)"
+    if REWRITTEN in state_kinds:
+      why += (f" ({state_kinds.count(REWRITTEN)} leaves are rewritten at each update, not "
+              "averaged: L-BFGS's memory of the last params and gradient; never coded)")
   else:
     parts = []
     if small:

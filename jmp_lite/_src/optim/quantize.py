@@ -47,14 +47,6 @@ _FORMAT_MSG = "format must be one of {allowed}, got {value!r}"
 MAX_BLOCK_SIZE = 2**16
 _BLOCK_MSG = ("block_size must be a power of two >= 32 and <= 65536 (2**16; e.g. 256), "
               "got {value!r}")
-_TREE_MAP_PARAMS_MSG = (
-    "optax.tree_map_params cannot map quantize_state's state: a coded leaf is a "
-    "jmp.QuantizedArray (codes and one scale per block) where the inner state has a "
-    "parameter-shaped array, so f would run on codes. For the state's shardings, call tx.init "
-    "on the sharded params (outside jit: the codes and scales of a leaf blocked along its last "
-    "axis take its parameter's sharding) and read jax.tree.map(lambda x: x.sharding, state); "
-    "to map a function over the state, use jax.tree.map(f, state, "
-    "is_leaf=lambda x: isinstance(x, jmp.QuantizedArray)).")
 _TX_MSG = ("tx must be an optax GradientTransformation (an object with init and update, "
            "such as optax.adamw(1e-3)), got {value!r}")
 
@@ -318,14 +310,19 @@ def quantize_state(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`QuantizedState`.
+    :class:`QuantizedState`. ``optax.tree_map_params`` maps its function
+    over every array of the state's parameter-shaped parts, so over a
+    coded moment's uint8 codes and float32 scales: a function of the array
+    alone (``jax.device_put``, reading ``x.sharding``, the identity) works;
+    one of the parameter's value (``p * 2``) would compute on codes, and
+    with extra parameter trees (a tree of specs) JAX raises its structure
+    error.
 
   Raises:
     TypeError: if ``tx`` is not a transformation, ``format`` not a string,
       ``block_size`` or ``min_size`` not an int, a keep rule neither a
       string nor a callable of two arguments; at ``init``, if ``tx.init``
-      cannot be traced, or if ``optax.tree_map_params`` calls it (the
-      message says what to use).
+      cannot be traced.
     ValueError: for an unknown ``format``, a ``block_size`` that is not a
       power of two in [32, 2**16], a negative ``min_size`` or a keep regex
       that does not compile.
@@ -354,10 +351,14 @@ def quantize_state(
 
   def init(params: optax.Params) -> QuantizedState:
     if _ParamsPlaceholder is not None and isinstance(params, _ParamsPlaceholder):
-      raise TypeError(_TREE_MAP_PARAMS_MSG)
+      # optax.tree_map_params: where the inner state holds a parameter tree, it maps f
+      # over ours, whose coded moments are QuantizedArrays (f sees codes and scales).
+      return QuantizedState(inner_tx.init(params), jnp.zeros((), jnp.int32))
     state = inner_tx.init(params)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    kinds = classify.kinds(inner_tx.init, params, len(flat), "the inner transformation")
+    kinds = classify.refine(
+        classify.kinds(inner_tx.init, params, len(flat), "the inner transformation"),
+        classify.averages(inner_tx.update, state, params))
     if keep_state:
       policy_lib.warn_unmatched(keep_state, [(tree_utils.path_str(p), x) for p, x in flat
                                              if tree_utils.is_floating_array(x)],
