@@ -136,8 +136,8 @@ def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] 
   Examples:
     >>> import jax.numpy as jnp, optax
     >>> params = {"w": jnp.ones(3)}
-    >>> averages(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)
-    [False, True, True]
+    >>> averages(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)  # count, mu, nu
+    [True, True, True]
     >>> lbfgs = optax.lbfgs()
     >>> averages(lbfgs.update, lbfgs.init(params), params)[1:3]  # its last params and gradient
     [False, False]
@@ -150,7 +150,7 @@ def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] 
     del args, kwargs
     return sum((jnp.sum(x) for x in jax.tree.leaves(p)), jnp.zeros(()))
 
-  stand_ins = ({}, {"value": jnp.zeros(()), "grad": zeros, "value_fn": value_fn})
+  stand_ins: tuple[dict[str, Any], ...] = ({}, {"value": jnp.zeros(()), "grad": zeros, "value_fn": value_fn})
   for extra in stand_ins:
     def new_state(*arrays: Any, extra: dict[str, Any] = extra) -> Any:
       full = list(traced)
