@@ -295,8 +295,9 @@ def quantize_state(
   is stochastic and unbiased, so moving averages keep following their
   input (see :mod:`jmp_lite._src.optim.codes`). ``"int4"`` codes both kinds
   of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
-  a signed block as a sign and ``0, 1/32, ..., 1/2, 3/4, 1`` of ``a``, a
-  non-negative one as ``2**-10 .. 1`` of ``a`` (never 0 for a non-zero value).
+  a signed block as a sign and ``0, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4, 1`` of
+  ``a``, a non-negative one as ``2**-8 .. 1`` of ``a`` (never 0 for a
+  non-zero value).
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
