@@ -196,7 +196,7 @@ def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, A
   for model in dict.fromkeys(r["model"] for r in rows):
     base = index[model, "adamw"]
     for variant in ("int8", "float8", "int4"):
-      row = index[model, variant]
+      row = index.get((model, variant), {})
       if "temp_bytes" in row:
         found.append(bars_lib.bar("optim_state", f"{variant} / adamw H100 update temp",
                                   row["temp_bytes"] / max(base["temp_bytes"], 1), 1.0, meaningful,
@@ -204,9 +204,10 @@ def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, A
     found.append(bars_lib.bar("optim_state", "int8 + bf16 masters: persistent bytes/param",
                               index[model, "int8"]["persistent_per_param"], PERSISTENT_LIMIT,
                               meaningful, model=model))
-    found.append(bars_lib.bar("optim_state", "int4 + bf16 masters: persistent bytes/param",
-                              index[model, "int4"]["persistent_per_param"],
-                              INT4_PERSISTENT_LIMIT, meaningful, model=model))
+    if (model, "int4") in index:
+      found.append(bars_lib.bar("optim_state", "int4 + bf16 masters: persistent bytes/param",
+                                index[model, "int4"]["persistent_per_param"],
+                                INT4_PERSISTENT_LIMIT, meaningful, model=model))
   return found
 
 

@@ -286,20 +286,21 @@ CHILD = textwrap.dedent(
 
     def loss_fn(params, batch):
       h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-      return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+      return (jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+              + jnp.mean((params["odd"] - jnp.mean(batch["x"])) ** 2))
 
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    # w1: blocks of 128 along its last axis, 256 elements a shard; w2 and b1: 255 and
-    # 1,275 elements a shard (odd), blocked over their flattened form.
-    params = {"w1": jax.random.normal(k1, (16, 512)) / 4, "b1": jnp.zeros(510),
-              "w2": jax.random.normal(k2, (510, 10)) / 23}
+    # w1: blocks of 128 along its last axis, 256 elements a shard; w2 blocked over its
+    # flattened form; odd: 255 elements a shard, flattened and padded to two blocks.
+    params = {"w1": jax.random.normal(k1, (16, 512)) / 4, "b1": jnp.zeros(512),
+              "w2": jax.random.normal(k2, (512, 10)) / 23, "odd": jnp.linspace(-1.0, 1.0, 510)}
     batches = []
     for k in jax.random.split(k3, 6):
       x = jax.random.normal(k, (32, 16))
       batches.append({"x": x, "y": jnp.sin(x[:, :10])})
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     shardings = {"w1": NamedSharding(mesh, P(None, "model")), "b1": NamedSharding(mesh, P("model")),
-                 "w2": NamedSharding(mesh, P("model", None))}
+                 "w2": NamedSharding(mesh, P("model", None)), "odd": NamedSharding(mesh, P("model"))}
     data = NamedSharding(mesh, P("data"))
 
     def make(sharded):
@@ -328,7 +329,8 @@ CHILD = textwrap.dedent(
       assert q.codes.shape == (16, 256) and q.scales.shape == (16, 4)
       assert q.codes.sharding.is_equivalent_to(shardings["w1"], 2), q.codes.sharding
       assert q.scales.sharding.is_equivalent_to(shardings["w1"], 2), q.scales.sharding
-    assert adam.mu["w2"].codes.shape == (40, 64)  # 5,100 elements: 40 blocks of 128, packed
+    assert adam.mu["w2"].codes.shape == (40, 64)  # 5,120 elements: 40 blocks of 128, packed
+    assert adam.mu["odd"].codes.shape == (4, 64) and adam.nu["odd"].shape == (510,)
 
     half = run(make(True), batches[:3], True)
     path = tempfile.mkdtemp() + "/ckpt"
