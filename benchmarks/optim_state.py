@@ -2,11 +2,11 @@
 
 Run ``python -m benchmarks.optim_state --help``. For each benchmark model
 (``benchmarks/models.py``, at the ``--preset`` sizes) and one Transformer of
-134M parameters (built as shapes only, never allocated), it compares three
+134M parameters (built as shapes only, never allocated), it compares four
 optimizers:
 
 - ``adamw``: ``optax.adamw`` with float32 state, float32 masters;
-- ``int8`` and ``float8``: ``jmp.quantize_state(optax.adamw, format)``, with
+- ``int8``, ``float8`` and ``int4``: ``jmp.quantize_state(optax.adamw, format)``, with
   bfloat16 masters and stochastic rounding.
 
 and reports:
@@ -25,8 +25,9 @@ and reports:
 - the **CPU update time**: the jitted update on this machine's CPU,
   interleaved with ``adamw``'s, median ratio (the 134M model is compiled only).
 
-Bars: the update's temp for int8 and float8 at most ``adamw``'s, on every
-model; int8 with bf16 masters at most 4.1 bytes per parameter persistent.
+Bars: the update's temp for int8, float8 and int4 at most ``adamw``'s, on
+every model; with bf16 masters, int8 at most 4.1 and int4 at most 3.1 bytes per
+parameter persistent.
 Without the CUDA plugin the H100 columns are left out.
 """
 
@@ -44,11 +45,12 @@ from benchmarks import models
 from benchmarks import report
 
 PROG = "python -m benchmarks.optim_state"
-VARIANTS = ("adamw", "int8", "float8")
+VARIANTS = ("adamw", "int8", "float8", "int4")
 BIG = "transformer_134m"
 BIG_CONFIG = dict(vocab=32000, seq_len=512, d_model=768, num_heads=12, mlp_dim=3072, num_layers=12)
 SMOKE_BIG = dict(vocab=512, seq_len=16, d_model=64, num_heads=2, mlp_dim=128, num_layers=1)
 PERSISTENT_LIMIT = 4.1
+INT4_PERSISTENT_LIMIT = 3.1
 SMOKE_MODELS = ("mlp", BIG)
 
 
@@ -147,7 +149,8 @@ def cpu_times(params: Any, repeats: int) -> dict[str, float]:
     live[variant] = (fn, state)
   times: dict[str, list[float]] = {v: [] for v in VARIANTS}
   for r in range(repeats):
-    for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+    k = r % len(VARIANTS)
+    for variant in VARIANTS[k:] + VARIANTS[:k]:
       fn, state = live[variant]
       t0 = time.perf_counter()
       jax.block_until_ready(fn(grads, state, p))
@@ -187,13 +190,13 @@ def measure_model(name: str, preset: str, target: str | None, repeats: int) -> l
 
 
 def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, Any]]:
-  """Update temp of int8/float8 <= adamw's (per model); int8 persistent <= 4.1 bytes/param."""
+  """Update temp of int8/float8/int4 <= adamw's (per model); persistent <= 4.1 (int8), 3.1 (int4)."""
   index = {(r["model"], r["variant"]): r for r in rows}
   found = []
   for model in dict.fromkeys(r["model"] for r in rows):
     base = index[model, "adamw"]
-    for variant in ("int8", "float8"):
-      row = index[model, variant]
+    for variant in ("int8", "float8", "int4"):
+      row = index.get((model, variant), {})
       if "temp_bytes" in row:
         found.append(bars_lib.bar("optim_state", f"{variant} / adamw H100 update temp",
                                   row["temp_bytes"] / max(base["temp_bytes"], 1), 1.0, meaningful,
@@ -201,6 +204,10 @@ def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, A
     found.append(bars_lib.bar("optim_state", "int8 + bf16 masters: persistent bytes/param",
                               index[model, "int8"]["persistent_per_param"], PERSISTENT_LIMIT,
                               meaningful, model=model))
+    if (model, "int4") in index:
+      found.append(bars_lib.bar("optim_state", "int4 + bf16 masters: persistent bytes/param",
+                                index[model, "int4"]["persistent_per_param"],
+                                INT4_PERSISTENT_LIMIT, meaningful, model=model))
   return found
 
 
@@ -208,7 +215,7 @@ def markdown(result: dict[str, Any]) -> str:
   """The report: one table of every model and variant, then the bars."""
   lines = [report.meta_line(result["meta"]), "",
            "Persistent: `jmp.memory_ledger` of the TrainState (adamw: float32 masters; int8, "
-           "float8: bf16 stochastic masters). H100: the update (`tx.update` + `apply_updates`, "
+           "float8, int4: bf16 stochastic masters). H100: the update (`tx.update` + `apply_updates`, "
            "float32 params, state donated) compiled for an H100, not run. Peak: persistent + "
            "float32 grads + the update's temp. CPU: the jitted update on this machine, median, "
            "interleaved.", "",

@@ -48,6 +48,36 @@ def test_bf16_stochastic_masters_and_int8_state_persist_in_at_most_4_1_bytes_per
   assert ledger.bytes_per_param == ledger.total_bytes / N
 
 
+def test_bf16_stochastic_masters_and_int4_state_persist_in_at_most_3_1_bytes_per_param():
+  ledger = jmp.memory_ledger(lean_int8_state(format="int4"))
+  rows = {(r.part, r.stored_as): (r.elements, r.bytes) for r in ledger.rows}
+  assert rows[("optimizer state", "4-bit codes")] == (2 * N_MATRIX, N_MATRIX)  # two codes a byte
+  assert rows[("optimizer state", "float32 scales")][1] == 4 * 2 * N_MATRIX // 128
+  assert ledger.bytes_per_param <= 3.1
+
+
+def _transformer_state(fmt, layers=12, d=768, vocab=32000):
+  """A GPT-2-small-shaped Transformer (about 134M parameters) and its lean state, from shapes."""
+  def make():
+    z = jnp.zeros
+    block = lambda: {"ln1": z(d), "qkv": z((d, 3 * d)), "qkv_b": z(3 * d), "out": z((d, d)),
+                     "out_b": z(d), "ln2": z(d), "up": z((d, 4 * d)), "up_b": z(4 * d),
+                     "down": z((4 * d, d)), "down_b": z(d)}
+    params = {"embed": z((vocab, d)), "pos": z((1024, d)), "blocks": [block() for _ in range(layers)],
+              "ln_f": z(d)}
+    tx = jmp.dynamic_loss_scaling(jmp.quantize_state(optax.adamw(1e-3), fmt))
+    return jmp.TrainState.create(params=params, tx=tx, master_dtype=jnp.bfloat16,
+                                 rounding="stochastic", key=jax.random.key(0))
+  return jmp.memory_ledger(jax.eval_shape(make))
+
+
+def test_a_100m_transformer_persists_in_3_1_bytes_per_param_with_int4_state():
+  int4, int8 = _transformer_state("int4"), _transformer_state("int8")
+  assert int4.params == int8.params > 100_000_000
+  assert int4.bytes_per_param <= 3.1 < 4.0 < int8.bytes_per_param <= 4.1
+  assert int8.bytes_per_param - int4.bytes_per_param > 0.95  # a byte a parameter, less the scales
+
+
 def test_eval_shape_gives_the_same_ledger_without_allocating():
   real = jmp.memory_ledger(lean_int8_state())
   abstract = jmp.memory_ledger(jax.eval_shape(lean_int8_state))

@@ -46,7 +46,8 @@ def mlp_batch(seed, n=64, n_in=32, n_out=8):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(format="int4"), ValueError, r"format must be one of \('int8', 'float8'\), got 'int4'"),
+    (dict(format="int2"), ValueError,
+     r"format must be one of \('int8', 'float8', 'int4'\), got 'int2'"),
     (dict(format=8), TypeError, "format must be one of"),
     (dict(block_size=48), ValueError, "block_size must be a power of two >= 32.*got 48"),
     (dict(block_size=16), ValueError, "block_size must be a power of two >= 32.*got 16"),

@@ -19,6 +19,7 @@ from benchmarks.optim_oracle import tables
 from benchmarks.optim_oracle import variants as variants_lib
 
 PARTS = ("matrix", "families", "sweep")
+FORMATS = ("int8", "float8", "int4")
 SMOKE_STEPS = 5
 
 
@@ -34,6 +35,9 @@ def build_parser() -> Any:
   p.add_argument("--parts", default="all", metavar="LIST",
                  help="comma-separated parts: matrix (AdamW against torchao), families (lion and "
                       "sgd-momentum, coded against float32), sweep; or all (default: %(default)s)")
+  p.add_argument("--formats", default="all", metavar="LIST",
+                 help="comma-separated coded formats to run: " + ", ".join(FORMATS)
+                      + "; or all (default: %(default)s)")
   p.add_argument("--seed", type=int, default=0,
                  help="first seed of the weights, data and batches (default: %(default)s)")
   p.add_argument("--seeds", type=cli.positive_int, default=4,
@@ -57,13 +61,16 @@ def build_parser() -> Any:
   return p
 
 
-def variant_names(parts: list[str]) -> list[str]:
-  """The variants the chosen parts of the matrix run (each with its float32 reference)."""
+def variant_names(parts: list[str], formats: tuple[str, ...] = FORMATS) -> list[str]:
+  """The variants the chosen parts run in ``formats``, with the float32 references they need."""
   names = []
-  if "matrix" in parts:
-    names += [n for n, v in variants_lib.VARIANTS.items() if v.family == "adamw"]
-  if "families" in parts:
-    names += [n for n, v in variants_lib.VARIANTS.items() if v.family != "adamw"]
+  for part, in_part in (("matrix", lambda f: f == "adamw"), ("families", lambda f: f != "adamw")):
+    if part not in parts:
+      continue
+    chosen = [n for n, v in variants_lib.VARIANTS.items()
+              if in_part(v.family) and (v.format is None or v.format in formats)]
+    if any(variants_lib.VARIANTS[n].format is not None for n in chosen):
+      names += chosen
   return names
 
 
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = cli.choose(args.problems, tuple(problems_lib.PROBLEMS), tuple(problems_lib.PROBLEMS),
                         "problem")
     parts = cli.choose(args.parts, PARTS, PARTS, "part")
+    formats = tuple(cli.choose(args.formats, FORMATS, FORMATS, "format"))
   except ValueError as e:
     parser.error(str(e))
   torch, _ = variants_lib.import_torch()
@@ -127,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
   jax.config.update("jax_platforms", "cpu")
   seeds = [args.seed + i for i in range(1 if args.smoke else args.seeds)]
   steps = SMOKE_STEPS if args.smoke else None
-  names = variant_names(parts)
+  names = variant_names(parts, formats)
   # Longest first: the sweep, then the problems by steps.
   specs: list[tuple[Any, ...]] = []
   if "sweep" in parts:
-    specs.append(("sweep", list(sweep_lib.NAMES), 4 if args.smoke else args.ratios,
+    specs.append(("sweep", [n for n in sweep_lib.NAMES if variants_lib.VARIANTS[n].format
+                            in (None, *formats)], 4 if args.smoke else args.ratios,
                   4 if args.smoke else args.probe_rows, 20 if args.smoke else args.probe_steps,
                   args.probe_lr, args.seed))
   if names:

@@ -4,8 +4,8 @@ For each ratio (log-spaced from 1 to 1e-8), ``rows`` blocks of 256: even
 columns see gradients of 1, odd columns of ``ratio``, each times uniform noise
 in [0.5, 1.5] drawn anew every step (the same noise for every optimizer).
 All ratios are one ``(ratios, rows, 256)`` parameter: both
-``quantize_state`` and torchao put each row in a block of its own, so the
-ratios never share a block. Each optimizer runs Adam (no weight decay) for
+``quantize_state`` and torchao put each row in a block of its own (two of
+128 in 4 bits), so the ratios never share a block. Each optimizer runs Adam (no weight decay) for
 ``steps`` steps at ``lr``; the result is its largest update, per ratio, over
 the same side's float32 Adam's.
 """
@@ -23,8 +23,8 @@ import optax
 import jmp_lite as jmp
 from benchmarks.optim_oracle import variants as variants_lib
 
-NAMES = ("optax_adamw", "jmp_int8", "jmp_float8", "torch_adamw", "torchao_adamw8bit",
-         "torchao_adamwfp8")
+NAMES = ("optax_adamw", "jmp_int8", "jmp_float8", "jmp_int4", "torch_adamw",
+         "torchao_adamw8bit", "torchao_adamwfp8", "torchao_adamw4bit")
 BLOCK = 256
 MIN_ELEMENTS = 4096  # torchao's threshold, and quantize_state's default min_size
 

@@ -59,7 +59,7 @@ def check_bars(result: dict[str, Any], meaningful: bool) -> list[dict[str, Any]]
     found.append(bars_lib.bar("optim_oracle", f"{what}, median over problems", s["median"],
                               RATIO_MEDIAN_LIMIT, meaningful, model="matrix"))
   sweep = result.get("sweep")
-  for n in ("jmp_int8", "jmp_float8"):
+  for n in ("jmp_int8", "jmp_float8", "jmp_int4"):
     if sweep is not None and n in sweep["variants"]:
       vs = sweep["variants"][n]["vs_fp32"]
       i = int(np.argmax(np.nan_to_num(vs, nan=np.inf)))
@@ -79,7 +79,8 @@ def _pct(x: float) -> str:
 
 
 def _coded(p: dict[str, Any]) -> str:
-  jmp_side, torch_side = p["coded"].get("jmp_int8"), p["coded"].get("torchao_adamw8bit")
+  jmp_side = next((p["coded"][n] for n in variants_lib.RIVALS if n in p["coded"]), None)
+  torch_side = next((p["coded"][n] for n in variants_lib.RIVALS.values() if n in p["coded"]), None)
   shown = jmp_side if jmp_side is not None else torch_side
   if shown is None:
     return "n/a"
@@ -89,10 +90,18 @@ def _coded(p: dict[str, Any]) -> str:
   return text
 
 
+_SHORT = {"jmp_int8": "int8", "jmp_float8": "float8", "jmp_int4": "int4",
+          "torchao_adamw8bit": "AdamW8bit", "torchao_adamwfp8": "AdamWFp8",
+          "torchao_adamw4bit": "AdamW4bit"}
+
+
 def matrix_lines(problems: list[dict[str, Any]]) -> list[str]:
-  """One row per problem: its cell, the drifts (mean, largest) and the ratios."""
-  lines = ["| problem | model | steps | lr | wd | int8 | AdamW8bit | ratio | float8 | AdamWFp8 | "
-           "ratio | torch vs optax AdamW | coded (elements) |", "|---" * 13 + "|"]
+  """One row per problem: its cell, the drifts (mean, largest) and the ratios of each rival pair run."""
+  pairs = [(ours, theirs) for ours, theirs in variants_lib.RIVALS.items()
+           if any(ours in p["variants"] or theirs in p["variants"] for p in problems)]
+  head = "".join(f" {_SHORT[o]} | {_SHORT[t]} | ratio |" for o, t in pairs)
+  lines = [f"| problem | model | steps | lr | wd |{head} torch vs optax AdamW | coded (elements) |",
+           "|---" * (7 + 3 * len(pairs)) + "|"]
   for p in problems:
     v, r = p["variants"], p["ratios"]
 
@@ -100,12 +109,10 @@ def matrix_lines(problems: list[dict[str, Any]]) -> list[str]:
       return f"{_pct(v[n]['drift'])} ({_pct(v[n]['drift_max'])})" if n in v else "n/a"
 
     cross = p.get("torch_vs_optax_adamw")
+    cells = "".join(f" {cell(o)} | {cell(t)} | {r.get(o, float('nan')):.2f}x |" for o, t in pairs)
     lines.append(
         f"| {p['problem']} | {p['describe']} | {p['steps']} | {p['lr']:g} | "
-        f"{p['weight_decay']:g} | {cell('jmp_int8')} | {cell('torchao_adamw8bit')} | "
-        f"{r.get('jmp_int8', float('nan')):.2f}x | {cell('jmp_float8')} | "
-        f"{cell('torchao_adamwfp8')} | {r.get('jmp_float8', float('nan')):.2f}x | "
-        f"{'n/a' if cross is None else _pct(cross)} | {_coded(p)} |")
+        f"{p['weight_decay']:g} |{cells} {'n/a' if cross is None else _pct(cross)} | {_coded(p)} |")
   return lines
 
 

@@ -2,7 +2,7 @@
 
 The JAX side runs optax transformations (float32, or wrapped in
 ``jmp.quantize_state``), one jitted update per step. The torch side
-runs ``torch.optim.AdamW`` and torchao's ``AdamW8bit`` and ``AdamWFp8``
+runs ``torch.optim.AdamW`` and torchao's ``AdamW8bit``, ``AdamWFp8`` and ``AdamW4bit``
 eagerly (``torch.compile``, which torchao calls in each step, replaced by the
 identity), fed each step the gradients of its own parameters by the same
 jitted JAX function of the same loss and batch: both sides train the same
@@ -34,7 +34,7 @@ class Variant:
   Attributes:
     side: ``"jax"`` or ``"torch"``.
     family: ``"adamw"``, ``"lion"`` or ``"sgdm"``.
-    format: ``None`` (float32 state), ``"int8"`` or ``"float8"``.
+    format: ``None`` (float32 state), ``"int8"``, ``"float8"`` or ``"int4"``.
     what: the call, for people.
     rival: the torchao optimizer it is compared with, if any.
   """
@@ -52,9 +52,12 @@ VARIANTS = {
                         "torchao_adamw8bit"),
     "jmp_float8": Variant("jax", "adamw", "float8", "jmp.quantize_state(optax.adamw, 'float8')",
                           "torchao_adamwfp8"),
+    "jmp_int4": Variant("jax", "adamw", "int4", "jmp.quantize_state(optax.adamw, 'int4')",
+                        "torchao_adamw4bit"),
     "torch_adamw": Variant("torch", "adamw", None, "torch.optim.AdamW, float32 state"),
     "torchao_adamw8bit": Variant("torch", "adamw", "int8", "torchao.optim.AdamW8bit"),
     "torchao_adamwfp8": Variant("torch", "adamw", "float8", "torchao.optim.AdamWFp8"),
+    "torchao_adamw4bit": Variant("torch", "adamw", "int4", "torchao.optim.AdamW4bit"),
     "optax_lion": Variant("jax", "lion", None, "optax.lion (lr / 10), float32 state"),
     "jmp_lion_int8": Variant("jax", "lion", "int8", "jmp.quantize_state(optax.lion, 'int8')"),
     "jmp_lion_float8": Variant("jax", "lion", "float8",
@@ -175,7 +178,7 @@ def torch_optimizer(name: str, params: list[Any], lr: float, weight_decay: float
   """``name``'s torch optimizer over ``params`` (betas, eps: the defaults, as optax's)."""
   torch, ao = import_torch()
   make = {"torch_adamw": torch.optim.AdamW, "torchao_adamw8bit": ao.AdamW8bit,
-          "torchao_adamwfp8": ao.AdamWFp8}[name]
+          "torchao_adamwfp8": ao.AdamWFp8, "torchao_adamw4bit": ao.AdamW4bit}[name]
   return make(params, lr=lr, weight_decay=weight_decay)
 
 

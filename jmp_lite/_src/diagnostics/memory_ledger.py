@@ -30,7 +30,8 @@ class LedgerRow(NamedTuple):
     part: ``"params"``, ``"compensation"``, ``"optimizer state"``, ``"model
       state"``, ``"step and key"`` or ``"other"`` (a pytree that is not a
       ``TrainState``).
-    stored_as: the dtype name, or ``"int8 codes"``, ``"uint8 codes"``,
+    stored_as: the dtype name, or ``"int8 codes"``, ``"uint8 codes"``, ``"4-bit codes"``
+      (two a byte: its elements are codes, its bytes half as many),
       ``"float8_e4m3fn codes"`` and ``"float32 scales"`` for state that
       :func:`jmp_lite.quantize_state` coded.
     elements: the number of elements.
@@ -105,7 +106,10 @@ def _count(part: str, tree: Any, tally: dict[tuple[str, str], list[int]]) -> Non
   for leaf in jax.tree.leaves(tree, is_leaf=is_q):
     if isinstance(leaf, quantize_lib.QuantizedArray):
       _, n, b = _leaf_bytes(leaf.codes)
-      add(f"{np.dtype(leaf.codes.dtype).name} codes", n, b)
+      if leaf.format == "int4":  # two codes a byte
+        add("4-bit codes", 2 * n, b)
+      else:
+        add(f"{np.dtype(leaf.codes.dtype).name} codes", n, b)
       _, n, b = _leaf_bytes(leaf.scales)
       add(f"{np.dtype(leaf.scales.dtype).name} scales", n, b)
     elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):

@@ -82,7 +82,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("int8", "float8")
+from jmp_lite._src.optim import codes4
+
+FORMATS = ("int8", "float8", "int4")
+# Elements per block a format codes by default: for int4, 128 keeps a block's float32
+# scale at 1/32 byte per element (2 + 1 + 2 * 4/128 = 3.06 bytes per parameter with
+# bf16 masters and two moments; blocks of 64 would make it 3.125), as torchao's AdamW4bit.
+DEFAULT_BLOCK_SIZE = {"int8": 256, "float8": 256, "int4": 128}
+
+
+def codes_per_byte(fmt: str) -> int:
+  """How many codes of format ``fmt`` one stored byte holds (2 for ``"int4"``)."""
+  return 2 if fmt == "int4" else 1
 
 _E4M3_MAX = 448.0
 _U24 = 2.0**-24  # Uniform draws in [0, 1) from the hash's top 24 bits.
@@ -174,15 +185,19 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Arra
 
   Args:
     x: the blocks.
-    fmt: ``"int8"`` or ``"float8"``: the code of blocks with a negative value.
+    fmt: ``"int8"`` or ``"float8"``: the code of blocks with a negative value;
+      ``"int4"``: the 4-bit codes of :mod:`jmp_lite._src.optim.codes4`.
     bits: uniform ``uint32`` draws of ``x``'s shape (``masters.hashed_bits``),
       fresh at each encode.
 
   Returns:
-    ``(codes, scales)``: uint8 codes of ``x``'s shape, and float32 scales of
+    ``(codes, scales)``: uint8 codes of ``x``'s shape (for ``"int4"``, two a
+      byte: the last axis halved), and float32 scales of
     shape ``x.shape[:-1]``: the block's largest ``|x|``, negated for a block
     coded with the signed code.
   """
+  if fmt == "int4":
+    return codes4.encode(x, bits)
   x = x.astype(jnp.float32)
   a = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   signed = jnp.min(x, axis=-1, keepdims=True) < 0
@@ -199,6 +214,8 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:
   """Float32 blocks from :func:`encode`'s ``codes`` and ``scales``."""
+  if fmt == "int4":
+    return codes4.decode(codes, scales)
   s = scales[..., None]
   if fmt == "float8":
     signed = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * (

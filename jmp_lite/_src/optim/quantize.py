@@ -1,10 +1,11 @@
-"""``quantize_state``: any optax transformation's per-parameter state in 8 bits.
+"""``quantize_state``: any optax transformation's per-parameter state in 8 or 4 bits.
 
 The wrapper stores the moments of the inner state (Adam's ``mu`` and ``nu``,
 lion's ``mu``, a momentum ``trace``, a ``MultiSteps`` accumulator) as
 :class:`QuantizedArray` codes with one
 float32 scale per block of ``block_size`` elements (codes in
-:mod:`jmp_lite._src.optim.codes`). Each update runs in float32 inside the
+:mod:`jmp_lite._src.optim.codes`, and :mod:`jmp_lite._src.optim.codes4` for
+``"int4"``, two codes a byte). Each update runs in float32 inside the
 caller's jit::
 
   state  = decode(codes, scales)              # float32, the inner's own dtypes
@@ -53,21 +54,24 @@ _TX_MSG = ("tx must be an optax GradientTransformation (an object with init and 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-  """One state leaf in 8 bits: codes, one float32 scale per block, and how to decode them.
+  """One state leaf in 8 or 4 bits: codes, one float32 scale per block, and how to decode them.
 
   A pytree: ``codes`` and ``scales`` are its children; the rest is static.
 
   Attributes:
     codes: uint8 codes. The leaf's own shape when its last axis is a
       multiple of ``block_size`` (blocks run along it); otherwise
-      ``(blocks, block_size)`` over the flattened, zero-padded leaf.
+      ``(blocks, block_size)`` over the flattened, zero-padded leaf. For
+      ``"int4"`` two codes share a byte and the last axis is halved: element
+      ``j`` of a block in the low nibble of the block's byte ``j``, element
+      ``j + block_size / 2`` in its high nibble.
     scales: float32, one per block (``codes.shape[:-1] + (blocks,)`` or
       ``(blocks,)``): the block's largest magnitude, negative for a block
       with a negative value (coded by ``format``'s signed code), positive for
       a block coded with the non-negative code (of the square root).
     shape: the leaf's shape.
     dtype: the leaf's dtype (what decoding returns).
-    format: ``"int8"`` or ``"float8"``.
+    format: ``"int8"``, ``"float8"`` or ``"int4"``.
     block_size: elements per block.
 
   Examples:
@@ -77,6 +81,10 @@ class QuantizedArray:
     >>> nu = state.inner[0].nu["w"]
     >>> nu.codes.dtype, nu.scales.shape, nu.dequantize().shape
     (dtype('uint8'), (2, 1), (2, 256))
+    >>> state = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0).init({"w": jnp.ones((2, 256))})
+    >>> mu = state.inner[0].mu["w"]
+    >>> mu.codes.shape, mu.scales.shape, mu.dequantize().shape
+    ((2, 128), (2, 2), (2, 256))
   """
 
   codes: jax.Array
@@ -89,7 +97,8 @@ class QuantizedArray:
   def dequantize(self) -> jax.Array:
     """The leaf in its own dtype and shape."""
     blocks = _blocked_shape(self.shape, self.block_size)
-    x = codes_lib.decode(self.codes.reshape(blocks), self.scales, self.format)
+    packed = blocks[:-1] + (blocks[-1] // codes_lib.codes_per_byte(self.format),)
+    x = codes_lib.decode(self.codes.reshape(packed), self.scales, self.format)
     if _along_last(self.shape, self.block_size):
       return x.reshape(self.shape).astype(self.dtype)
     return x.reshape(-1)[: int(np.prod(self.shape))].reshape(self.shape).astype(self.dtype)
@@ -161,7 +170,9 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   if not _along_last(shape, block_size):
     flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
   codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count))
-  stored = codes.reshape(shape) if _along_last(shape, block_size) else codes
+  if _along_last(shape, block_size):
+    codes = codes.reshape(shape[:-1] + (shape[-1] // codes_lib.codes_per_byte(fmt),))
+  stored = codes
   return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, block_size)
 
 
@@ -259,12 +270,12 @@ def quantize_state(
     tx: optax.GradientTransformation,
     format: str = "int8",  # pylint: disable=redefined-builtin
     *,
-    block_size: int = 256,
+    block_size: int | None = None,
     min_size: int = 4096,
     keep: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
     keep_state: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
 ) -> optax.GradientTransformationExtraArgs:
-  """Stores ``tx``'s per-parameter state in 8 bits, one float32 scale per block.
+  """Stores ``tx``'s per-parameter state in 8 or 4 bits, one float32 scale per block.
 
   The update decodes the state to float32, runs ``tx.update`` and codes the
   new state, all inside the caller's jit, where XLA fuses the arithmetic
@@ -282,7 +293,11 @@ def quantize_state(
   and read as float32 bits below, which reaches 1e-8 of the block's largest
   ``sqrt(v)``. The mode is the sign of the block's float32 scale. Rounding
   is stochastic and unbiased, so moving averages keep following their
-  input (see :mod:`jmp_lite._src.optim.codes`).
+  input (see :mod:`jmp_lite._src.optim.codes`). ``"int4"`` codes both kinds
+  of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
+  a signed block as a sign and ``0, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4, 1`` of
+  ``a``, a non-negative one as ``2**-8 .. 1`` of ``a`` (never 0 for a
+  non-zero value).
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
@@ -293,8 +308,11 @@ def quantize_state(
       ``params0``: a copy of the parameters) never is; an ``init`` that
       cannot be traced is refused. A ``UserWarning`` says so when nothing is
       coded.
-    format: ``"int8"`` or ``"float8"``.
-    block_size: elements per block, a power of two from 32 to 2**16. Blocks
+    format: ``"int8"``, ``"float8"`` or ``"int4"``.
+    block_size: elements per block, a power of two from 32 to 2**16; by
+      default 256 for the 8-bit formats and 128 for ``"int4"`` (whose float32
+      scale then costs 1/32 byte per element, the same share of its codes as
+      8-bit's). Blocks
       run along a leaf's last axis when it is a multiple of ``block_size``,
       else over the flattened leaf.
     min_size: leaves with fewer elements stay as ``tx`` made them.
@@ -342,7 +360,8 @@ def quantize_state(
   """
   _check_tx(tx)
   fmt = _check_format(format)
-  block_size = _check_block_size(block_size)
+  block_size = _check_block_size(codes_lib.DEFAULT_BLOCK_SIZE[fmt] if block_size is None
+                                 else block_size)
   min_size = checks.integer("min_size", min_size, minimum=0)
   rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep))
   keep_state = policy_lib.keep_rules(keep_state)
