@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src.optim import codes as codes_lib
 from jmp_lite._src.optim import quantize as quantize_lib
 from jmp_lite._src.step import train_state as train_state_lib
 
@@ -106,10 +107,9 @@ def _count(part: str, tree: Any, tally: dict[tuple[str, str], list[int]]) -> Non
   for leaf in jax.tree.leaves(tree, is_leaf=is_q):
     if isinstance(leaf, quantize_lib.QuantizedArray):
       _, n, b = _leaf_bytes(leaf.codes)
-      if leaf.format == "int4":  # two codes a byte
-        add("4-bit codes", 2 * n, b)
-      else:
-        add(f"{np.dtype(leaf.codes.dtype).name} codes", n, b)
+      per_byte = codes_lib.codes_per_byte(leaf.format)  # int4: two codes a byte
+      add("4-bit codes" if per_byte == 2 else f"{np.dtype(leaf.codes.dtype).name} codes",
+          per_byte * n, b)
       _, n, b = _leaf_bytes(leaf.scales)
       add(f"{np.dtype(leaf.scales.dtype).name} scales", n, b)
     elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):

@@ -196,27 +196,25 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Arra
     shape ``x.shape[:-1]``: the block's largest ``|x|``, negated for a block
     coded with the signed code.
   """
-  if fmt == "int4":
-    return codes4.encode(x, bits)
   x = x.astype(jnp.float32)
   a = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   signed = jnp.min(x, axis=-1, keepdims=True) < 0
   y = x * jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
   u = (bits >> 8).astype(jnp.float32) * _U24
-  if fmt == "float8":
-    signed_codes = _signed_to_bits(_encode_e4m3(y, u))
+  if fmt == "int4":
+    codes = codes4.encode(y, signed, u)
   else:
-    signed_codes = _signed_to_bits(_encode_companded(y, u))
-  non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u).astype(jnp.uint8)
-  codes = jnp.where(signed, signed_codes, non_negative)
+    signed_code = _encode_e4m3 if fmt == "float8" else _encode_companded
+    non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u).astype(jnp.uint8)
+    codes = jnp.where(signed, _signed_to_bits(signed_code(y, u)), non_negative)
   return codes, jnp.where(signed, -a, a)[..., 0]
 
 
 def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:
   """Float32 blocks from :func:`encode`'s ``codes`` and ``scales``."""
-  if fmt == "int4":
-    return codes4.decode(codes, scales)
   s = scales[..., None]
+  if fmt == "int4":
+    return jnp.abs(s) * codes4.decode(codes, s < 0)
   if fmt == "float8":
     signed = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * (
         1.0 / _E4M3_MAX)

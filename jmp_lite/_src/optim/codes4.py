@@ -52,7 +52,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_U24 = 2.0**-24  # Uniform draws in [0, 1) from the hash's top 24 bits.
 _SIGN = 8  # The signed nibble's sign bit; its magnitude is the low three bits.
 
 
@@ -97,46 +96,41 @@ _SIGNED = _BitLine(7, 3)  # 1/16 .. 1
 _NON_NEGATIVE = _BitLine(15, 3)  # 2**-8 .. 1
 
 
-def encode(x: jax.Array, bits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Packed 4-bit codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
+def encode(y: jax.Array, signed: jax.Array, u: jax.Array) -> jax.Array:
+  """Packed 4-bit codes of blocks ``y`` already divided by their largest ``|x|``.
+
+  :func:`jmp_lite._src.optim.codes.encode` computes the block's scale, its
+  mode and the uniform draws, as for the 8-bit formats, and calls this.
 
   Args:
-    x: the blocks; ``block_size`` is even.
-    bits: uniform ``uint32`` draws of ``x``'s shape, fresh at each encode.
+    y: float32 blocks ``(..., blocks, block_size)`` in ``[-1, 1]``;
+      ``block_size`` is even.
+    signed: bool ``(..., blocks, 1)``: the blocks coded with the signed code.
+    u: uniform draws in ``[0, 1)`` of ``y``'s shape.
 
   Returns:
-    ``(codes, scales)``: uint8 of shape ``(..., blocks, block_size // 2)``
-    (two codes a byte), and float32 scales of shape ``x.shape[:-1]``: the
-    block's largest ``|x|``, negated for a block coded with the signed code.
+    uint8 of shape ``(..., blocks, block_size // 2)``, two codes a byte.
 
   Examples:
     >>> import jax.numpy as jnp, numpy as np
-    >>> x = jnp.array([[0.0, 0.5, -1.0, 0.25]])
-    >>> codes, scales = encode(x, jnp.zeros((1, 4), jnp.uint32))
-    >>> codes.shape, float(scales[0])
-    ((1, 2), -1.0)
-    >>> np.asarray(decode(codes, scales)).tolist()
-    [[0.0, 0.5, -1.0, 0.25]]
+    >>> y = jnp.array([[0.0, 0.5, -1.0, 0.25]])
+    >>> codes = encode(y, jnp.array([[True]]), jnp.zeros((1, 4)))
+    >>> codes.shape, np.asarray(decode(codes, jnp.array([[True]]))).tolist()
+    ((1, 2), [[0.0, 0.5, -1.0, 0.25]])
   """
-  x = x.astype(jnp.float32)
-  a = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  signed = jnp.min(x, axis=-1, keepdims=True) < 0
-  y = x * jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
-  u = (bits >> 8).astype(jnp.float32) * _U24
   k = _SIGNED.encode(jnp.minimum(jnp.abs(y), 1.0), u)
   signed_codes = k | jnp.where((y < 0) & (k > 0), _SIGN, 0)
   q = _NON_NEGATIVE.encode(jnp.clip(y, 0.0, 1.0), u)
   non_negative = jnp.where(y > 0, jnp.maximum(q, 1), 0)
-  return pack(jnp.where(signed, signed_codes, non_negative)), jnp.where(signed, -a, a)[..., 0]
+  return pack(jnp.where(signed, signed_codes, non_negative))
 
 
-def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Float32 blocks ``(..., blocks, block_size)`` from :func:`encode`'s packed ``codes`` and ``scales``."""
-  s = scales[..., None]
+def decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
+  """Blocks in ``[-1, 1]`` (fractions of the block's largest) from :func:`encode`'s codes."""
   c = unpack(codes)
   magnitude = _SIGNED.level(c & (_SIGN - 1))
-  signed = jnp.where((c & _SIGN) > 0, -magnitude, magnitude)
-  return jnp.abs(s) * jnp.where(s < 0, signed, _NON_NEGATIVE.level(c))
+  return jnp.where(signed, jnp.where((c & _SIGN) > 0, -magnitude, magnitude),
+                   _NON_NEGATIVE.level(c))
 
 
 def pack(codes: jax.Array) -> jax.Array:

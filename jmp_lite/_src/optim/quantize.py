@@ -172,8 +172,7 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count))
   if _along_last(shape, block_size):
     codes = codes.reshape(shape[:-1] + (shape[-1] // codes_lib.codes_per_byte(fmt),))
-  stored = codes
-  return QuantizedArray(stored, scales, shape, np.dtype(x.dtype), fmt, block_size)
+  return QuantizedArray(codes, scales, shape, np.dtype(x.dtype), fmt, block_size)
 
 
 
