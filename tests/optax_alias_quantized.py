@@ -57,8 +57,8 @@ OPTAX_OWN = (pytest.mark.filterwarnings("ignore:Explicitly requested dtype float
 
 # Wrapped tests that still fail (issue 43, open), as xfails (not strict: each of the test's
 # subtests takes the mark, and the others pass, XPASS; the summary's xfail count shows the
-# failing one): adadelta
-# (lr 0.1) on Rosenbrock ends at [0.93, 0.88] against [1, 1] in both formats. Its step is the
+# failing one). The key is absl's index into optax's optimizer list (6: adadelta, lr 0.1, on
+# Rosenbrock), which ends at [0.93, 0.88] against [1, 1] in both formats. Its step is the
 # ratio of two coded averages, sqrt(e_x + eps) / sqrt(e_g + eps), both non-negative blocks of
 # two elements, so both formats code them alike and the codes' rounding noise adds up over
 # optax's 10,000 steps (rtol 3e-2).
