@@ -65,22 +65,3 @@ def test_smoke_run_writes_its_report(tmp_path):
   # per model: the update temp of int8, float8 and int4 (compiled), persistent of int8 and int4
   assert len(bar_lines) == len(result["bars"]) == (10 if compiled else 4)
   assert all(line.startswith(report.SMOKE_STATUS + " ") for line in bar_lines)
-
-
-needs_plugin = pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
-                                  reason=str(gpu_compile.plugin_missing()))
-
-
-@pytest.mark.slow
-@needs_plugin
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 43, open: with the sign chosen per block (both decodes under a select of the "
-    "scale's sign), XLA:GPU keeps a float32 buffer of the decoded leaf: 4.25 MB of temp "
-    "against optax AdamW's 2.11 MB on this Transformer (1.95x on the CNN); the code with "
-    "a static sign per leaf needed 0.34 MB"))
-def test_h100_update_temp_is_at_most_float32_adamws():
-  # The benchmark Transformer's shapes (2.7M params): with a costlier decode of v (exp, sqrt,
-  # floor), XLA:GPU kept a float32 buffer of the decoded leaf and needed more temp than adamw.
-  params = optim_state.model_params("transformer", "cpu")
-  temp = {v: optim_state.h100_update(v, params)["temp_bytes"] for v in optim_state.VARIANTS}
-  assert temp["int8"] <= temp["adamw"] and temp["float8"] <= temp["adamw"], temp
