@@ -190,6 +190,17 @@ def test_lean_masters_and_int8_state_train_with_one_compilation():
   assert losses[-1] < 0.7 * losses[0]
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, "int4"])
+def test_eager_init_codes_zero_moments_as_the_traced_encode_does(fmt):
+  """Eagerly, init makes the zero codes and scales of zero moments without running the encode."""
+  params = {"w": jnp.ones((4, 256)), "odd": jnp.ones((3, 5)), "scalar": jnp.ones(())}
+  tx = jmp.quantize_state(optax.adam(1e-3), fmt, min_size=0)
+  eager, traced = tx.init(params), jax.jit(tx.init)(params)
+  assert_bitwise_equal(eager, traced)
+  assert jax.tree.structure(eager) == jax.tree.structure(traced)
+  assert any(q.codes.size for q in quantized_leaves(eager))
+
+
 def test_a_skipped_step_leaves_codes_and_scales_bitwise_unchanged():
   tx = jmp.dynamic_loss_scaling(jmp.quantize_state(optax.adam(1e-2), min_size=0, block_size=32))
   state = jmp.TrainState.create(params=mlp_params(), tx=tx)
