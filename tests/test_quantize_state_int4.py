@@ -4,10 +4,6 @@ Two codes a byte (:mod:`jmp_lite._src.optim.codes4`); every numeric bound is
 against the same run with float32 state.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -274,97 +270,3 @@ def test_nnx_optimizer_trains():
   packed = coded(nnx.as_pure(optimizer.opt_state))
   assert sorted(q.codes.shape for q in packed) == [(8, 64), (8, 64), (32, 64), (32, 64)]
   assert ours[-1] < 0.05 * ours[0] and abs(ours[-1] - ref[-1]) < 0.15 * ref[-1], (ours[-1], ref[-1])
-
-
-CHILD = textwrap.dedent(
-    """
-    import tempfile
-    import jax, jax.numpy as jnp, numpy as np, optax
-    import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import jmp_lite as jmp
-
-    def loss_fn(params, batch):
-      h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-      return (jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
-              + jnp.mean((params["odd"] - jnp.mean(batch["x"])) ** 2))
-
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    # w1: blocks of 128 along its last axis, 256 elements a shard; w2 blocked over its
-    # flattened form; odd: 255 elements a shard, flattened and padded to two blocks.
-    params = {"w1": jax.random.normal(k1, (16, 512)) / 4, "b1": jnp.zeros(512),
-              "w2": jax.random.normal(k2, (512, 10)) / 23, "odd": jnp.linspace(-1.0, 1.0, 510)}
-    batches = []
-    for k in jax.random.split(k3, 6):
-      x = jax.random.normal(k, (32, 16))
-      batches.append({"x": x, "y": jnp.sin(x[:, :10])})
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    shardings = {"w1": NamedSharding(mesh, P(None, "model")), "b1": NamedSharding(mesh, P("model")),
-                 "w2": NamedSharding(mesh, P("model", None)), "odd": NamedSharding(mesh, P("model"))}
-    data = NamedSharding(mesh, P("data"))
-
-    def make(sharded):
-      tx = jmp.dynamic_loss_scaling(jmp.quantize_state(optax.adamw(1e-2), "int4", min_size=0))
-      p = jax.tree.map(jnp.copy, params)
-      if sharded:
-        p = {k: jax.device_put(v, shardings[k]) for k, v in p.items()}
-      return jmp.TrainState.create(params=p, tx=tx, master_dtype=jnp.bfloat16,
-                                   rounding="stochastic", key=jax.random.key(3))
-
-    step = jmp.make_train_step(loss_fn, jmp.get_policy("p=f32,c=f32,o=f32"))
-
-    def run(state, bs, sharded):
-      for b in bs:
-        state, metrics = step(state, jax.device_put(b, data) if sharded else b)
-        assert bool(metrics["grads_finite"])
-      return state
-
-    single = run(make(False), batches, False)
-    many = run(make(True), batches, True)
-    for name in params:
-      np.testing.assert_allclose(np.asarray(many.params[name], np.float32),
-                                 np.asarray(single.params[name], np.float32), rtol=5e-2, atol=5e-3)
-    adam = many.opt_state.inner_state.inner[0]
-    for q in (adam.mu["w1"], adam.nu["w1"]):  # codes (16, 256) and scales (16, 4) sharded like w1
-      assert q.codes.shape == (16, 256) and q.scales.shape == (16, 4)
-      assert q.codes.sharding.is_equivalent_to(shardings["w1"], 2), q.codes.sharding
-      assert q.scales.sharding.is_equivalent_to(shardings["w1"], 2), q.scales.sharding
-    assert adam.mu["w2"].codes.shape == (40, 64)  # 5,120 elements: 40 blocks of 128, packed
-    assert adam.mu["odd"].codes.shape == (4, 64) and adam.nu["odd"].shape == (510,)
-
-    half = run(make(True), batches[:3], True)
-    path = tempfile.mkdtemp() + "/ckpt"
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(path, half)
-      ckptr.wait_until_finished()
-    with ocp.StandardCheckpointer() as ckptr:
-      back = ckptr.restore(path, make(True))
-      moved = ckptr.restore(path, make(False))
-    def same(a, b):
-      la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-      assert len(la) == len(lb)
-      for x, y in zip(la, lb):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-          x, y = jax.random.key_data(x), jax.random.key_data(y)
-        assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-    same((back.step, back.params, back.opt_state), (half.step, half.params, half.opt_state))
-    same((moved.step, moved.params, moved.opt_state), (half.step, half.params, half.opt_state))
-    # Resumed in another layout, it goes on like the run that never stopped.
-    finished = run(moved, batches[3:], False)
-    for name in params:
-      np.testing.assert_allclose(np.asarray(finished.params[name], np.float32),
-                                 np.asarray(many.params[name], np.float32), rtol=5e-2, atol=5e-3)
-    print("ok")
-    """
-)
-
-
-@pytest.mark.slow
-def test_int4_state_on_a_mesh_and_orbax_resume():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                        timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
-  assert proc.returncode == 0, f"child failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-  assert proc.stdout.strip().endswith("ok"), proc.stdout
