@@ -158,15 +158,37 @@ def train_digits(monkeypatch):
   return train_digits
 
 
-def test_digits_mixed_precision_matches_fp32_accuracy(train_digits):
-  data = train_digits.load_data(seed=0)
-  params = train_digits.init_params(seed=0)
-  results = {
-      mode: train_digits.run(
-          mode, epochs=10, lr=3e-3, seed=0, data=data, params=params, progress=False
-      )
-      for mode in train_digits.MODES
-  }
+class DigitsRuns:
+  """``train_digits.run`` for 10 epochs from the same data and weights, each mode run once."""
+
+  def __init__(self):
+    with pytest.MonkeyPatch.context() as mp:
+      mp.syspath_prepend(str(EXAMPLES))
+      for mod in ("train_digits", "_common"):
+        mp.delitem(sys.modules, mod, raising=False)
+      self.module = importlib.import_module("train_digits")
+    self.data = self.module.load_data(seed=0)
+    self.params = self.module.init_params(seed=0)
+    self._runs = {}
+
+  def __call__(self, mode, masters=None):
+    if (mode, masters) not in self._runs:
+      kwargs = {} if masters is None else {"masters": masters}
+      self._runs[mode, masters] = self.module.run(mode, epochs=10, lr=3e-3, seed=0, data=self.data,
+                                                  params=self.params, progress=False, **kwargs)
+    return self._runs[mode, masters]
+
+
+@pytest.fixture(scope="module")
+def digits_runs():
+  """The module's digits runs: float32's, the reference of three tests, trains once."""
+  return DigitsRuns()
+
+
+# One worker runs the three, so that they share the float32 run.
+@pytest.mark.xdist_group("digits_accuracy")
+def test_digits_mixed_precision_matches_fp32_accuracy(digits_runs):
+  results = {mode: digits_runs(mode) for mode in digits_runs.module.MODES}
   fp32 = results["fp32"].accuracy
   assert fp32 >= 95.0, results["fp32"]
   for mode in ("bf16", "f16"):
@@ -177,6 +199,27 @@ def test_digits_mixed_precision_matches_fp32_accuracy(train_digits):
   assert f16.skipped == int((~f16.finite).sum()) < 10
   assert results["fp32"].skipped == results["bf16"].skipped == 0
   assert results["fp32"].losses[-20:].mean() < 0.1 * results["fp32"].losses[:5].mean()
+
+
+@pytest.mark.xdist_group("digits_accuracy")
+def test_digits_lean_masters_match_fp32_accuracy(digits_runs):
+  fp32 = digits_runs("fp32").accuracy
+  assert fp32 >= 95.0
+  for masters in ("bf16-stochastic", "bf16-kahan"):
+    result = digits_runs("bf16", masters)
+    assert abs(result.accuracy - fp32) <= 1.0, (masters, result.accuracy, fp32)
+    assert result.masters == masters and result.skipped == 0
+
+
+@pytest.mark.xdist_group("digits_accuracy")
+def test_digits_lean_state_matches_fp32_accuracy(digits_runs):
+  fp32 = digits_runs("fp32").accuracy
+  assert fp32 >= 95.0
+  for mode in digits_runs.module.LEAN_STATE:
+    result = digits_runs(mode)
+    assert abs(result.accuracy - fp32) <= 1.0, (mode, result.accuracy, fp32)
+    assert result.masters == "bf16-stochastic" and result.skipped == 0
+    assert 4.0 < result.bytes_per_param < 4.3
 
 
 def test_digits_run_rejects_unknown_mode(train_digits):
@@ -233,19 +276,6 @@ def test_digits_masters_flag_adds_lean_runs_and_keeps_default_files(train_digits
   assert (tmp_path / "digits_masters.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_digits_lean_masters_match_fp32_accuracy(train_digits):
-  data = train_digits.load_data(seed=0)
-  params = train_digits.init_params(seed=0)
-  run = lambda mode, masters: train_digits.run(
-      mode, epochs=10, lr=3e-3, seed=0, data=data, params=params, progress=False, masters=masters)
-  fp32 = run("fp32", "f32").accuracy
-  assert fp32 >= 95.0
-  for masters in ("bf16-stochastic", "bf16-kahan"):
-    result = run("bf16", masters)
-    assert abs(result.accuracy - fp32) <= 1.0, (masters, result.accuracy, fp32)
-    assert result.masters == masters and result.skipped == 0
-
-
 @pytest.mark.slow
 def test_digits_smoke_lean_state_modes(tmp_path):
   proc = _run_smoke("train_digits.py", tmp_path, "--no-progress", "--lean-state")
@@ -262,20 +292,6 @@ def test_digits_smoke_lean_state_modes(tmp_path):
   assert all(4.0 < r["bytes_per_param"] < 4.3 for r in results[1:])
   assert "| bf16_lean_int8   | bf16-stochastic |" in (tmp_path / "digits_lean_state.md").read_text()
   assert "bf16_lean_float8 (4.1" in proc.stdout
-
-
-def test_digits_lean_state_matches_fp32_accuracy(train_digits):
-  data = train_digits.load_data(seed=0)
-  params = train_digits.init_params(seed=0)
-  run = lambda mode: train_digits.run(mode, epochs=10, lr=3e-3, seed=0, data=data, params=params,
-                                      progress=False)
-  fp32 = run("fp32").accuracy
-  assert fp32 >= 95.0
-  for mode in train_digits.LEAN_STATE:
-    result = run(mode)
-    assert abs(result.accuracy - fp32) <= 1.0, (mode, result.accuracy, fp32)
-    assert result.masters == "bf16-stochastic" and result.skipped == 0
-    assert 4.0 < result.bytes_per_param < 4.3
 
 
 def test_digits_lean_state_modes_refuse_other_masters(train_digits, capsys):
