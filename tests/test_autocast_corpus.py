@@ -44,11 +44,13 @@ MODULES = (jax.nn, optax.losses)
 # gradient contracts 64 rows, this one contracts 8 (ctc_loss measured 9.7%).
 TOL = {"bfloat16": 0.05, "float16": 0.02, "fp8": 0.12}
 FP8 = jmp.Float8Recipe(min_size=0)
-# FP8 gradients that run and are finite but miss the tolerance, with what was measured:
-# an open question, checked for running only, so that the list is seen and shrinks.
-FP8_OPEN = {
-    "optax.losses.triplet_margin_loss": "27% against float32 on e4m3 operands (bf16 0.3%, "
-                                        "f16 0.04%); not yet explained",
+# Functions evaluated at their second input (see _INPUTS), each with why: at the first, a
+# kink lies within rounding of the point, and any precision under float32 may cross it
+# (test_each_moved_function_has_a_kink_within_rounding_at_the_first_input keeps it true).
+AT_SECOND_INPUT = {
+    "optax.losses.triplet_margin_loss": "one of its 8 hinges, max(d(a, p) - d(a, n) + 1, 0), "
+                                        "is 0.0009 from its kink, a tenth of a bfloat16 ulp of "
+                                        "the distances; FP8 crossed it (27% off float32)",
 }
 
 # The public functions left out, each with why: none is a function of a float
@@ -164,7 +166,7 @@ def case(name: str) -> tuple[Loss, Loss, np.ndarray]:
   call = SIGNATURES[_required(fn)]
   x, w = _x(), _w()
   for labels in _LABELS:
-    for inp in _INPUTS:
+    for inp in _INPUTS[1:] if name in AT_SECOND_INPUT else _INPUTS:
       def make(matmul: Callable[..., Any], labels: Any = labels, inp: Any = inp) -> Loss:
         return lambda w, x: _scalar(call(fn, inp(matmul(x, w)), labels))
       loss = make(lambda x, w: x @ w)
@@ -211,5 +213,13 @@ def test_grad_runs_in_every_mode_and_matches_float32(name: str) -> None:
     assert got.dtype == np.float32, (name, mode, got.dtype)
     err = float(np.linalg.norm(got - want)) / max(float(np.linalg.norm(want)), 1e-3)
     assert np.all(np.isfinite(got)), (name, mode)
-    if not (mode == "fp8" and name in FP8_OPEN):
-      assert err <= TOL[mode], (name, mode, err)
+    assert err <= TOL[mode], (name, mode, err)
+
+
+def test_each_moved_function_has_a_kink_within_rounding_at_the_first_input() -> None:
+  assert set(AT_SECOND_INPUT) == {"optax.losses.triplet_margin_loss"}, "add its check here"
+  anchors, positives, negatives = _thirds(_e4m3(_x()) @ _e4m3(_w()))
+  d = lambda a, b: jnp.sqrt(jnp.sum((a - b) ** 2, axis=-1) + 1e-6)
+  hinge = d(anchors, positives) - d(anchors, negatives) + 1.0
+  ulp = 2.0**-7 * jnp.maximum(d(anchors, positives), d(anchors, negatives))  # bfloat16's, at d
+  assert float(jnp.min(jnp.abs(hinge) / ulp)) < 0.25, np.asarray(hinge)
