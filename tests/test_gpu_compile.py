@@ -60,26 +60,6 @@ def test_fp8_step_is_all_float8_gemms_on_both_gemm_paths(tmp_path):
   assert "**Compiled for an NVIDIA H100 80GB HBM3, not run**" in next(tmp_path.glob("*.md")).read_text()
 
 
-@needs_plugin
-def test_step_needs_no_more_memory_than_jmp_on_a_parameter_heavy_model():
-  """Issue 28: the MLP 4x4096 (235 MB of params) needed 2.7x jmp's temp memory."""
-  problem = models.build_problem("mlp", "gpu")
-  temp = {name: gpu_compile.measure(name, problem, "h100", {})["temp_bytes"]
-          for name in ("jmp_dynamic", "f16_dynamic", "bf16", "bf16_lean")}
-  assert temp["f16_dynamic"] <= 1.02 * temp["jmp_dynamic"], temp
-  assert temp["bf16"] <= 1.02 * temp["jmp_dynamic"], temp
-  assert temp["bf16_lean"] < temp["bf16"], temp
-
-
-@needs_plugin
-def test_fp8_step_needs_less_memory_than_bf16_autocast_on_the_transformer():
-  problem = models.build_problem("transformer", "gpu", layers=1, batch=8)
-  fp8, bf16 = (gpu_compile.measure(name, problem, "h100", {})
-               for name in ("bf16_fp8", "bf16_autocast"))
-  assert fp8["fp8_gemms"] == fp8["gemms"] > 0
-  assert fp8["temp_bytes"] < bf16["temp_bytes"], (fp8["temp_bytes"], bf16["temp_bytes"])
-
-
 @pytest.mark.parametrize("command", ["gpu_compile", "fp8_sizes"])
 def test_without_the_plugin_the_command_says_what_to_install(command, monkeypatch, capsys):
   monkeypatch.setattr(gpu_compile, "plugin_missing", lambda: gpu_compile.PLUGIN_HINT)
