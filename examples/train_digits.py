@@ -15,12 +15,13 @@ changes:
 * ``f16``:  policy ``mixed_float16`` and ``jmp.dynamic_loss_scaling(adam)``
   starting at 2**15, the usual default.
 
-Two more modes, run by ``--lean-state`` (with ``fp32``, results in
+Three more modes, run by ``--lean-state`` (with ``fp32``, results in
 ``digits_lean_state.*``), keep the state lean: policy ``mixed_bfloat16``,
-bfloat16 master weights with stochastic rounding and Adam's moments in 8 bits:
+bfloat16 master weights with stochastic rounding and Adam's moments in 8 or 4 bits:
 
 * ``bf16_lean_int8``: ``jmp.quantize_state(optax.adam, "int8")``;
-* ``bf16_lean_float8``: ``jmp.quantize_state(optax.adam, "float8")``.
+* ``bf16_lean_float8``: ``jmp.quantize_state(optax.adam, "float8")``;
+* ``bf16_lean_int4``: ``jmp.quantize_state(optax.adam, "int4")``, two codes a byte.
 
 This CNN is small: of its eight leaves only the second convolution's kernel
 (4,608 weights) and the first dense kernel (32,768) reach ``quantize_state``'s
@@ -56,10 +57,10 @@ import _common
 
 MODES = ("fp32", "bf16", "f16")  # run by default
 # mode -> quantize_state's format; these modes keep bf16 stochastic-rounding masters.
-LEAN_STATE = {"bf16_lean_int8": "int8", "bf16_lean_float8": "float8"}
+LEAN_STATE = {"bf16_lean_int8": "int8", "bf16_lean_float8": "float8", "bf16_lean_int4": "int4"}
 ALL_MODES = MODES + tuple(LEAN_STATE)
 POLICIES = {"fp32": "f32", "bf16": "mixed_bfloat16", "f16": "mixed_float16",
-            "bf16_lean_int8": "mixed_bfloat16", "bf16_lean_float8": "mixed_bfloat16"}
+            **{mode: "mixed_bfloat16" for mode in LEAN_STATE}}
 MASTERS = _common.MASTERS  # --masters: lean master weights
 
 
@@ -223,7 +224,7 @@ def run(
 def table(results: Sequence[Result]) -> str:
   base = next((r for r in results if r.mode == "fp32"), results[0])
   lean = any(r.masters != "f32" for r in results)  # a masters column only when it varies
-  ledger = any(r.mode in LEAN_STATE for r in results)  # and a bytes column with 8-bit state
+  ledger = any(r.mode in LEAN_STATE for r in results)  # and a bytes column with coded state
   rows = [
       [
           r.mode,
@@ -292,8 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
   _common.add_scale_arguments(p)
   _common.add_masters_argument(p, "digits_masters")
   p.add_argument("--lean-state", action="store_true",
-                 help="run fp32, bf16_lean_int8 and bf16_lean_float8 instead (bf16 stochastic "
-                      "masters + 8-bit Adam state; results go to digits_lean_state.*)")
+                 help="run fp32, bf16_lean_int8, bf16_lean_float8 and bf16_lean_int4 instead "
+                      "(bf16 stochastic masters + 8- or 4-bit Adam state; results go to "
+                      "digits_lean_state.*)")
   _common.add_output_arguments(p, "8 steps per mode, for CI")
   return p
 

@@ -38,11 +38,11 @@ changes:
   steered with a ``jmp.Float8Recipe``: the first block and the read-out kept in
   bf16 (``keep=r"params/(?:Block_0|Dense_0)/"``), or one scale per row
   (``scaling="rowwise"``).
-* ``bf16_lean_int8`` and ``bf16_lean_float8`` (not run by default): policy
-  ``mixed_bfloat16``, bfloat16 master weights with stochastic rounding and
-  AdamW's moments stored in 8 bits by ``jmp.quantize_state`` (about 4 bytes
-  per parameter instead of 12). Their results are named
-  ``transformer_lm_lean_state.*``.
+* ``bf16_lean_int8``, ``bf16_lean_float8`` and ``bf16_lean_int4`` (not run by
+  default): policy ``mixed_bfloat16``, bfloat16 master weights with
+  stochastic rounding and AdamW's moments stored in 8 or 4 bits by
+  ``jmp.quantize_state`` (about 4 or 3 bytes per parameter instead of 12).
+  Their results are named ``transformer_lm_lean_state.*``.
 
 The f16 runs use ``jmp.dynamic_loss_scaling`` (from 2**15); all four use AdamW
 with gradient clipping and float32 master weights. The script prints
@@ -90,12 +90,14 @@ MODES = {
                            jmp.Float8Recipe(min_size=0, keep=r"params/(?:Block_0|Dense_0)/")),
     "fp8_bf16_rowwise": ("mixed_bfloat16", True,
                          jmp.Float8Recipe(min_size=0, scaling="rowwise")),
-    # Lean state (issue 35): bf16 masters with stochastic rounding, AdamW's moments in 8 bits.
+    # Lean state (issues 35, 45): bf16 masters with stochastic rounding, AdamW's moments in 8
+    # or 4 bits.
     "bf16_lean_int8": ("mixed_bfloat16", False, False),
     "bf16_lean_float8": ("mixed_bfloat16", False, False),
+    "bf16_lean_int4": ("mixed_bfloat16", False, False),
 }
 # mode -> quantize_state's format; these modes keep bf16 stochastic-rounding masters.
-LEAN_STATE = {"bf16_lean_int8": "int8", "bf16_lean_float8": "float8"}
+LEAN_STATE = {"bf16_lean_int8": "int8", "bf16_lean_float8": "float8", "bf16_lean_int4": "int4"}
 DEFAULT_MODES = ("fp32", "mixed_f16", "autocast_f16", "autocast_bf16")
 
 
@@ -145,6 +147,10 @@ class Result:
   final_scale: float
   losses: np.ndarray
   finite: np.ndarray
+  # --schedule wsd: validation bits/byte through the decay (its first step to its last), and
+  # the largest rise over the lowest value before it, relative.
+  decay_bpb: list[float] = dataclasses.field(default_factory=list)
+  decay_rise: float = 0.0
 
 
 def describe_fp8(fp8: Any) -> str:
@@ -201,19 +207,71 @@ def evaluate(model, policy, autocast, params, valid: np.ndarray, seq_len: int, b
   return total / (len(starts) * seq_len) / math.log(2)
 
 
+SCHEDULES = ("cosine", "wsd")
+DECAY_EVALS = 11  # --schedule wsd: validations through the decay, its first step and its last
+
+
+def learning_rate(schedule: str, lr: float, steps: int) -> optax.Schedule:
+  """AdamW's learning rate: a warmup over the first 5% of ``steps``, then a cosine decay to
+  ``lr / 10`` (``"cosine"``) or ``lr`` held and then cut linearly to 0 over the last 10%
+  (``"wsd"``, warmup-stable-decay).
+
+  Examples:
+    >>> f = learning_rate("wsd", 1.0, 100)
+    >>> [float(f(t)) for t in (0, 5, 50, 90, 95, 100)]
+    [0.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+  """
+  warmup = max(1, steps // 20)
+  if schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+  if schedule != "wsd":
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+  decay = max(1, steps // 10)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
+       optax.linear_schedule(lr, 0.0, decay)], [warmup, steps - decay])
+
+
+def decay_evals(schedule: str, steps: int) -> list[int]:
+  """The steps after which ``run`` validates through a ``"wsd"`` decay (none for ``"cosine"``)."""
+  if schedule != "wsd":
+    return []
+  start = steps - max(1, steps // 10)
+  return sorted({int(round(start + i * (steps - start) / (DECAY_EVALS - 1)))
+                 for i in range(DECAY_EVALS)})
+
+
+def rise(values: Sequence[float]) -> float:
+  """The largest rise of ``values`` over the lowest value before it, relative.
+
+  Examples:
+    >>> round(rise([2.0, 1.9, 1.919, 1.8]), 6)
+    0.01
+  """
+  low, worst = math.inf, 0.0
+  for v in values:
+    if low < math.inf:
+      worst = max(worst, v / low - 1)
+    low = min(low, v)
+  return worst
+
+
 def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.ndarray, *,
         steps: int, batch: int, seq_len: int, lr: float, seed: int, naive: bool = False,
-        progress: bool = True, trained: dict[str, Any] | None = None) -> Result:
+        progress: bool = True, trained: dict[str, Any] | None = None,
+        schedule: str = "cosine") -> Result:
   """Trains ``model`` from ``params`` for ``steps`` steps in precision ``mode``.
 
   With ``trained`` (a dict), its ``"params"`` entry receives the final params.
+  With ``schedule="wsd"`` the validation bits/byte is also measured through the
+  decay (:func:`decay_evals`).
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
   policy_name, autocast, fp8 = MODES[mode]
   policy = jmp.get_policy(policy_name)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr / 10)
-  adamw = optax.adamw(schedule, weight_decay=0.01)
+  schedule_fn = learning_rate(schedule, lr, steps)
+  adamw = optax.adamw(schedule_fn, weight_decay=0.01)
   lean: dict[str, Any] = {}
   if mode in LEAN_STATE:
     adamw = jmp.quantize_state(adamw, LEAN_STATE[mode])
@@ -226,14 +284,21 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
                              fp8=fp8)
 
   rng = np.random.default_rng(seed)  # the same data order in every mode
-  times, metrics = [], []
+  times, metrics, decay_bpb = [], [], []
+  evals = set(decay_evals(schedule, steps))
+  validate = lambda p: evaluate(model, policy, autocast, p, valid, seq_len, batch, fp8)
   bar = _common.progress(range(steps), desc=f"{mode:>13}", total=steps, enabled=progress)
-  for _ in bar:
+  for t in bar:
+    if t in evals:  # before step t: after t steps
+      decay_bpb.append(validate(state.params))
     b = windows(train, rng.integers(0, len(train) - seq_len - 1, batch), seq_len)
     (state, m), seconds = _common.timed_step(step, state, b)
     _common.show_skips(bar, m)
     times.append(seconds)
     metrics.append({k: m[k] for k in ("loss", "grads_finite")})
+  valid_bpb = validate(state.params)
+  if steps in evals:
+    decay_bpb.append(valid_bpb)
   metrics = jax.device_get(metrics)
   if trained is not None:
     trained["params"] = state.params
@@ -244,13 +309,15 @@ def run(mode: str, model: TransformerLM, params, train: np.ndarray, valid: np.nd
       policy=str(policy),
       autocast=autocast,
       fp8=describe_fp8(fp8),
-      valid_bpb=evaluate(model, policy, autocast, state.params, valid, seq_len, batch, fp8),
+      valid_bpb=valid_bpb,
       train_loss=float(losses[-50:].mean()),
       step_ms=_common.median_ms(times, warmup=min(5, len(times) - 1)),
       skipped=int((~finite).sum()),
       final_scale=float(jmp.loss_scale_of(state.opt_state)),
       losses=losses,
       finite=finite,
+      decay_bpb=decay_bpb,
+      decay_rise=rise(decay_bpb),
   )
 
 
@@ -268,12 +335,13 @@ def table(results: Sequence[Result]) -> str:
           f"{r.step_ms / base.step_ms:.2f}x",
           r.skipped,
           f"{r.final_scale:.10g}",
+          *([f"{100 * r.decay_rise:.2f}%"] if base.decay_bpb else []),
       ]
       for r in results
   ]
   headers = ["mode", "policy", "autocast", "valid bits/byte", f"vs {base.mode}",
              "train loss (last 50)", "step ms (median)", f"time vs {base.mode}", "skipped steps",
-             "final scale"]
+             "final scale", *(["rise in the decay"] if base.decay_bpb else [])]
   return _common.markdown_table(headers, rows)
 
 
@@ -365,6 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--loss", choices=("optax", "naive"), default="optax",
                  help="optax's cross-entropy, or the naive exp(logits) / sum(exp(logits)) "
                       "(results named transformer_lm_naive.*) (default: %(default)s)")
+  p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                 help="the learning rate after a 5%% warmup: a cosine decay to lr / 10, or wsd "
+                      "(held, then cut linearly to 0 over the last 10%% of steps, with the "
+                      f"validation bits/byte measured {DECAY_EVALS} times through the cut; "
+                      "results named *_wsd.*) (default: %(default)s)")
   p.add_argument("--sensitivity", action="store_true",
                  help="after training the first mode, print and write jmp.fp8_sensitivity of its "
                       "model: which matmul FP8 hurts most (default: off)")
@@ -392,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     name += "_fp8"
   if any(m in LEAN_STATE for m in args.modes):
     name += "_lean_state"
+  if args.schedule != "cosine":
+    name += f"_{args.schedule}"
   train_tokens, valid_tokens = split(load_corpus(int(args.corpus_mb * 2**20)))
   model = TransformerLM(d_model=args.d_model, layers=args.layers, heads=args.heads,
                         max_len=args.seq_len)
@@ -412,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     results.append(run(mode, model, params, train_tokens, valid_tokens, steps=args.steps,
                        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                        naive=args.loss == "naive", progress=not args.no_progress,
-                       trained=trained if not results else None))
+                       trained=trained if not results else None, schedule=args.schedule))
   text = table(results)
   if args.sensitivity:
     text += "\n" + sensitivity(model, trained["params"], valid_tokens, args) + "\n"

@@ -108,15 +108,21 @@ def test_transformer_lm_smoke_trains_four_ways(tmp_path):
 
 
 @pytest.mark.slow
-def test_transformer_lm_smoke_lean_state_modes(tmp_path):
+def test_transformer_lm_smoke_lean_state_modes_through_a_wsd_cooldown(tmp_path):
   proc = _run_smoke("transformer_lm.py", tmp_path, "--no-progress", "--modes", "fp32",
-                    "bf16_lean_int8", "bf16_lean_float8")
+                    "bf16_lean_int8", "bf16_lean_float8", "bf16_lean_int4", "--schedule", "wsd")
   assert proc.returncode == 0, f"transformer_lm.py failed:\n{proc.stdout}\n{proc.stderr}"
-  results = json.loads((tmp_path / "transformer_lm_lean_state.json").read_text())["results"]
-  assert [r["mode"] for r in results] == ["fp32", "bf16_lean_int8", "bf16_lean_float8"]
+  results = json.loads((tmp_path / "transformer_lm_lean_state_wsd.json").read_text())["results"]
+  assert [r["mode"] for r in results] == ["fp32", "bf16_lean_int8", "bf16_lean_float8",
+                                          "bf16_lean_int4"]
   assert all(np.isfinite(r["valid_bpb"]) and r["skipped"] == 0 for r in results)
   bpb = [r["valid_bpb"] for r in results]
-  assert max(bpb) < 1.01 * bpb[0]  # a few steps from the same weights: 8-bit state tracks fp32
+  assert max(bpb) < 1.01 * bpb[0]  # a few steps from the same weights: coded state tracks fp32
+  # 8 smoke steps: the decay is the last one, validated before it and after it (the final bpb).
+  for r in results:
+    assert len(r["decay_bpb"]) == 2 and r["decay_bpb"][-1] == r["valid_bpb"], r
+    assert r["decay_rise"] == max(0.0, r["decay_bpb"][1] / r["decay_bpb"][0] - 1), r
+  assert "rise in the decay" in (tmp_path / "transformer_lm_lean_state_wsd.md").read_text()
 
 
 @pytest.mark.slow
@@ -156,6 +162,12 @@ def train_digits(monkeypatch):
   import train_digits
 
   return train_digits
+
+
+# Persistent bytes per parameter of the digits CNN's lean-state modes (memory_ledger): bf16
+# masters, coded moments, and the small leaves' float32 moments.
+LEAN_BYTES = {"bf16_lean_int8": (4.0, 4.3), "bf16_lean_float8": (4.0, 4.3),
+              "bf16_lean_int4": (3.0, 3.4)}
 
 
 class DigitsRuns:
@@ -219,7 +231,7 @@ def test_digits_lean_state_matches_fp32_accuracy(digits_runs):
     result = digits_runs(mode)
     assert abs(result.accuracy - fp32) <= 1.0, (mode, result.accuracy, fp32)
     assert result.masters == "bf16-stochastic" and result.skipped == 0
-    assert 4.0 < result.bytes_per_param < 4.3
+    assert LEAN_BYTES[mode][0] < result.bytes_per_param < LEAN_BYTES[mode][1], result
 
 
 def test_digits_run_rejects_unknown_mode(train_digits):
@@ -283,15 +295,17 @@ def test_digits_smoke_lean_state_modes(tmp_path):
   assert not (tmp_path / "digits.json").exists()  # the default results stay as they are
   results = json.loads((tmp_path / "digits_lean_state.json").read_text())["results"]
   assert [(r["mode"], r["masters"]) for r in results] == [
-      ("fp32", "f32"), ("bf16_lean_int8", "bf16-stochastic"), ("bf16_lean_float8", "bf16-stochastic")]
+      ("fp32", "f32"), ("bf16_lean_int8", "bf16-stochastic"), ("bf16_lean_float8", "bf16-stochastic"),
+      ("bf16_lean_int4", "bf16-stochastic")]
   assert all(r["skipped"] == 0 for r in results)
   assert all(abs(r["accuracy"] - results[0]["accuracy"]) <= 3.0 for r in results)
-  # memory_ledger: 12 bytes/param for fp32 Adam; about 4 with bf16 masters and 8-bit moments
-  # (above 4: the six leaves under min_size=4096 keep float32 moments).
+  # memory_ledger: 12 bytes/param for fp32 Adam; about 4 with bf16 masters and 8-bit moments,
+  # about 3 with 4-bit ones (above: the six leaves under min_size=4096 keep float32 moments).
   assert abs(results[0]["bytes_per_param"] - 12.0) < 0.01
-  assert all(4.0 < r["bytes_per_param"] < 4.3 for r in results[1:])
+  assert all(LEAN_BYTES[r["mode"]][0] < r["bytes_per_param"] < LEAN_BYTES[r["mode"]][1]
+             for r in results[1:])
   assert "| bf16_lean_int8   | bf16-stochastic |" in (tmp_path / "digits_lean_state.md").read_text()
-  assert "bf16_lean_float8 (4.1" in proc.stdout
+  assert "bf16_lean_float8 (4.1" in proc.stdout and "bf16_lean_int4 (3." in proc.stdout
 
 
 def test_digits_lean_state_modes_refuse_other_masters(train_digits, capsys):
