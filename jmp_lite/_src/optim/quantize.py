@@ -166,19 +166,20 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   """
   shape = tuple(x.shape)
   blocks = _blocked_shape(shape, block_size)
+  along_last = _along_last(shape, block_size)
+  # The codes keep the leaf's shape (its last axis over the codes a byte) when blocked
+  # along it, else the blocks' shape.
   per_byte = codes_lib.codes_per_byte(fmt)
+  stored = (shape[:-1] + (shape[-1] // per_byte,) if along_last
+            else blocks[:-1] + (block_size // per_byte,))
   if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
-    codes_shape = (shape[:-1] + (shape[-1] // per_byte,) if _along_last(shape, block_size)
-                   else blocks[:-1] + (block_size // per_byte,))
-    return QuantizedArray(jnp.zeros(codes_shape, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
+    return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
                           shape, np.dtype(x.dtype), fmt, block_size)
   flat = x.astype(jnp.float32)
-  if not _along_last(shape, block_size):
+  if not along_last:
     flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
   codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count))
-  if _along_last(shape, block_size):
-    codes = codes.reshape(shape[:-1] + (shape[-1] // per_byte,))
-  return QuantizedArray(codes, scales, shape, np.dtype(x.dtype), fmt, block_size)
+  return QuantizedArray(codes.reshape(stored), scales, shape, np.dtype(x.dtype), fmt, block_size)
 
 
 def _zeros_on_one_device(x: jax.Array) -> bool:
@@ -187,10 +188,15 @@ def _zeros_on_one_device(x: jax.Array) -> bool:
   Zeros code to zero codes and zero scales in every format; making those
   directly spares ``init`` an eager dispatch of each op of the encode. Traced
   and sharded arrays take the encode, whose output follows their sharding.
+  The test is a reduction on the device, so only a bool leaves it (run
+  eagerly also inside an outer trace that closes over ``x``).
   """
   if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
     return False
-  return len(x.sharding.device_set) == 1 and not np.any(np.asarray(x))
+  if len(x.sharding.device_set) != 1:
+    return False
+  with jax.ensure_compile_time_eval():
+    return not bool(jnp.any(x))
 
 
 
