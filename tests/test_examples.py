@@ -175,19 +175,16 @@ class DigitsRuns:
 
   def __init__(self):
     with pytest.MonkeyPatch.context() as mp:
-      mp.syspath_prepend(str(EXAMPLES))
-      for mod in ("train_digits", "_common"):
-        mp.delitem(sys.modules, mod, raising=False)
-      self.module = importlib.import_module("train_digits")
+      self.module = _import_example(mp, "train_digits")
     self.data = self.module.load_data(seed=0)
     self.params = self.module.init_params(seed=0)
     self._runs = {}
 
-  def __call__(self, mode, masters=None):
+  def __call__(self, mode, masters="f32"):  # run's default; lean-state modes take bf16 masters
     if (mode, masters) not in self._runs:
-      kwargs = {} if masters is None else {"masters": masters}
       self._runs[mode, masters] = self.module.run(mode, epochs=10, lr=3e-3, seed=0, data=self.data,
-                                                  params=self.params, progress=False, **kwargs)
+                                                  params=self.params, progress=False,
+                                                  masters=masters)
     return self._runs[mode, masters]
 
 
