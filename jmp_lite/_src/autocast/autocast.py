@@ -43,6 +43,7 @@ def _register() -> None:
   for name, (fn, params) in autocast_control.HANDLERS.items():
     interp.register_handler(name, fn, params, name in autocast_control.META_HANDLERS)
   interp.register_half_rule("dot_general", autocast_fp8.rule)
+  interp.register_op_rule("gather", autocast_fp8.fp8_lookup_applies, autocast_fp8.lookup_rule)
 
 
 _register()
@@ -312,7 +313,10 @@ def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Calla
       paths = leaf_paths(args, kwargs, params_first)
       plan = fp8_plan.plan(closed.jaxpr, paths, leaves, cfg.fp8)
       if params_first:  # The weights' amaxes, before their gathers (issue 44).
-        amaxes = fp8_known.weight_amaxes(paths, leaves)
+        # The params' leaves only: the batch's rows are scaled where they are
+        # (per device under FSDP, fp8_groups.groups_of), not by one global amax.
+        n = sum(1 for leaf in jax.tree.leaves(args[0]) if filtering.is_traced(leaf)) if args else 0
+        amaxes = fp8_known.weight_amaxes(paths[:n], leaves[:n])
     with fp8_plan.active(plan), fp8_known.known(amaxes):
       outs = interp.eval_closed(closed, leaves, cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jmp_lite._src.autocast import interpret as interp
 from jmp_lite._src.fp8 import dot as fp8_dot
 from jmp_lite._src.fp8 import known as fp8_known
+from jmp_lite._src.fp8 import lookup as fp8_lookup
 from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 
@@ -70,3 +71,38 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
     half = jaxpr_utils.bind(eqn, [lhs, rhs], params)[0]
     out = jnp.where(which == index, out, half)
   return [out]
+
+
+def fp8_lookup_applies(eqn: Any, cfg: interp._Config) -> bool:
+  """Whether :func:`lookup_rule` runs ``eqn`` (a ``gather``): see there."""
+  if cfg.fp8 is None or len(eqn.invars) != 2:
+    return False
+  return fp8_known.is_weight(fp8_plan.lookup_source(eqn))
+
+
+def lookup_rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> list[Any]:
+  """A row lookup of a params table (an embedding) whose cotangent runs in FP8.
+
+  Under an FP8 recipe, for a ``gather`` (in its traced dtype: a row lookup
+  is exact in any) that the plan lists (:attr:`fp8_plan.Plan.lookups`: an
+  argument leaf's values, kept by no rule, not below ``min_size``) where the
+  leaf is one of a train step's params (:func:`fp8_known.is_weight`): see
+  :mod:`jmp_lite._src.fp8.lookup`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jmp_lite as jmp
+    >>> def loss(p, tokens):
+    ...   return (jnp.take(p["embed"], tokens, axis=0) * jnp.array([1.0, 0.3])).sum()
+    >>> from jmp_lite._src.autocast import autocast as ac
+    >>> f = ac.step_autocast(loss, jnp.bfloat16, jmp.Float8Recipe(min_size=0))
+    >>> g = jax.grad(f)({"embed": jnp.ones((3, 2))}, jnp.array([2, 0, 2]))
+    >>> g["embed"].tolist()  # 0.3 / s = 17203 rounds to e5m2's 16384 (s = 1 / 57344)
+    [[1.0, 0.2857142984867096], [0.0, 0.0], [2.0, 0.5714285969734192]]
+  """
+  table, indices = ins
+
+  def gather(t: Any, i: Any) -> Any:
+    return jaxpr_utils.bind(eqn, [t, i], eqn.params)[0]
+
+  return [fp8_lookup.fp8_lookup(table, indices, gather, cfg.fp8)]

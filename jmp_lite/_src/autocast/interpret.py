@@ -36,6 +36,8 @@ from jmp_lite._src.fp8 import plan as fp8_plan
 from jmp_lite._src import jaxpr_utils
 # What the handlers (autocast_control) and half rules (autocast_fp8) read from here.
 from jmp_lite._src.autocast.registry import HALF_RULES as HALF_RULES
+from jmp_lite._src.autocast.registry import OP_RULES as OP_RULES
+from jmp_lite._src.autocast.registry import register_op_rule as register_op_rule
 from jmp_lite._src.autocast.registry import HANDLERS as HANDLERS
 from jmp_lite._src.autocast.registry import Handler as Handler
 from jmp_lite._src.autocast.registry import HalfRule as HalfRule
@@ -297,6 +299,10 @@ class _Evaluator:
     floats = [i for i, x in enumerate(ins) if jaxpr_utils.is_floating(value_dtype(x))]
     if not floats:  # Integers, bools, keys: untouched.
       outs = jaxpr_utils.bind(eqn, [self.concrete(x) for x in ins])
+      return outs, [None] * len(outs)
+    own_rule = OP_RULES.get(name)
+    if own_rule is not None and own_rule[0](eqn, self.cfg):  # Before the lists, as traced.
+      outs = own_rule[1](eqn, [self.concrete(x) for x in ins], self.cfg)
       return outs, [None] * len(outs)
     rule = self.cfg.lists.rule(name)
     if name == "mul" and eqn.invars[0] is eqn.invars[1] and rule == "promote":

@@ -21,6 +21,9 @@ HalfRule = Callable[[Any, list[Any], Any], Union[list[Any], None]]
 HANDLERS: dict[str, Guarded] = {}
 # Half-list primitive name -> its rule (see register_half_rule).
 HALF_RULES: dict[str, HalfRule] = {}
+# Primitive name -> (whether its rule applies, the rule), run before the lists (register_op_rule).
+OpRule = Callable[[Any, list[Any], Any], list[Any]]
+OP_RULES: dict[str, tuple[Callable[[Any, Any], bool], OpRule]] = {}
 
 _NOT_OWN_MSG = ("a handler for {name!r} needs the name in autocast_lists.OWN_RULES, "
                 "so that no AutocastLists list holds it")
@@ -79,3 +82,28 @@ def register_half_rule(name: str, rule: HalfRule) -> None:
     >>> register_half_rule("dot_general", previous)  # autocast's FP8 rule back
   """
   HALF_RULES[name] = rule
+
+
+def register_op_rule(name: str, applies: Callable[[Any, Any], bool], rule: OpRule) -> None:
+  """Runs ``rule(eqn, ins, cfg)`` for each ``name`` equation where ``applies(eqn, cfg)``, before the lists.
+
+  ``applies`` reads only the equation and the config; where it is false the
+  lists decide as usual. ``rule`` gets the operands as traced (not cast) and
+  returns the outputs, which autocast then treats as values of their own
+  dtypes. Autocast registers one for ``gather``: an embedding lookup whose
+  cotangent runs in FP8 (issue 44).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite as jmp
+    >>> seen, previous = [], OP_RULES.get("gather")
+    >>> def note(eqn, ins, cfg):
+    ...   seen.append(str(ins[0].dtype))
+    ...   return [ins[0][:1] * 2]
+    >>> register_op_rule("gather", lambda eqn, cfg: True, note)
+    >>> out = jmp.autocast(lambda t: jnp.take(t, jnp.array([1]), axis=0), jnp.bfloat16)(jnp.ones((2, 2)))
+    >>> seen, out.tolist()
+    (['float32'], [[2.0, 2.0]])
+    >>> register_op_rule("gather", *previous)  # autocast's rule back
+  """
+  OP_RULES[name] = (applies, rule)

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jmp_lite._src.fp8 import groups as fp8_groups
 from jmp_lite._src.fp8.recipe import Float8Recipe
 from jmp_lite._src.fp8.recipe import float8_format
 
@@ -45,15 +46,22 @@ def _wide(dtype: Any) -> np.dtype[Any]:
   return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))  # One dispatch, not twenty, when eager.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4), static_argnames=("groups",))  # One dispatch, not twenty, when eager.
 def _scale(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
-           axes: tuple[int, ...], amax: Any = None) -> jax.Array:
-  """The scale of ``x`` over ``axes``; ``amax``, when given, is ``x``'s (known before, issue 44)."""
+           axes: tuple[int, ...], amax: Any = None, groups: int = 1) -> jax.Array:
+  """The scale of ``x`` over ``axes``, or per group of rows (shape ``(groups, 1, ...)``).
+
+  ``amax``, when given, is ``x``'s, known before (issue 44).
+  """
   wide = _wide(x.dtype)
   info = jnp.finfo(wide)
-  if amax is None:
+  shape = [1 if d in axes else n for d, n in enumerate(x.shape)]
+  if groups > 1:
+    shape = [groups] + [1] * (x.ndim - 1)
+    amax = jnp.max(jnp.abs(x.reshape(groups, -1)), axis=1, initial=0)
+  elif amax is None:
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
-  amax = jnp.broadcast_to(amax, [1 if d in axes else n for d, n in enumerate(x.shape)])
+  amax = jnp.broadcast_to(jnp.reshape(amax, [-1] + [1] * (x.ndim - 1)) if groups > 1 else amax, shape)
   amax = amax.astype(x.dtype).astype(wide)  # exact
   s = amax * np.asarray(2.0 ** margin / float(jnp.finfo(fmt).max), wide)
   if power_of_two:  # The smallest power of two >= s.
@@ -65,12 +73,13 @@ def _scale(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
   return jnp.where(jnp.isfinite(s), jnp.clip(s, float(info.tiny), float(info.max)), s)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4), static_argnames=("groups",))
 def _quantize(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
-              axes: tuple[int, ...], amax: Any = None) -> tuple[jax.Array, jax.Array]:
-  s = _scale(x, fmt, margin, power_of_two, axes, amax)
+              axes: tuple[int, ...], amax: Any = None, groups: int = 1) -> tuple[jax.Array, jax.Array]:
+  s = _scale(x, fmt, margin, power_of_two, axes, amax, groups=groups)
   fmax = np.asarray(jnp.finfo(fmt).max, s.dtype)
-  q = lax.clamp(-fmax, x.astype(s.dtype) * (1 / s), fmax)
+  inv = 1 / (fp8_groups.rows(s, 0, x.shape[0]) if x.ndim else s)
+  q = lax.clamp(-fmax, x.astype(s.dtype) * inv, fmax)
   return q.astype(fmt), s
 
 
@@ -201,15 +210,33 @@ def _scaled_dot(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, jax.Arra
 
   The GEMM returns ``out`` directly for bfloat16 and wider dtypes; float16 gets a
   float32 product (a sum of float8 products can pass 65504 before it is
-  scaled down), then scaled and rounded once.
+  scaled down), then scaled and rounded once. Where a scale varies along a
+  contracted axis (rows scaled per group, contracted by a weight's gradient),
+  the GEMM runs per group, each group's product scaled, and the groups
+  summed in ``out``: under FSDP each device's group is its own shard, and the sum
+  is the reduction the gradient's reduce-scatter does anyway.
   """
   (q_l, s_l), (q_r, s_r) = lhs, rhs
   (lc, rc), (lb, rb) = dims
+  if q_l.ndim and 0 not in lc:
+    s_l = fp8_groups.rows(s_l, 0, q_l.shape[0])
+  if q_r.ndim and 0 not in rc:
+    s_r = fp8_groups.rows(s_r, 0, q_r.shape[0])
+  pair = fp8_groups.grouped_pair(s_l, s_r, dims)
+  if pair is not None:
+    a, b, g = pair
+    (q_l, s_l), (q_r, s_r) = fp8_groups.split(q_l, s_l, a, g), fp8_groups.split(q_r, s_r, b, g)
+    dims = ((tuple(d + 1 for d in lc), tuple(d + 1 for d in rc)),
+            ((0, *(d + 1 for d in lb)), (0, *(d + 1 for d in rb))))
+    (lc, rc), (lb, rb) = dims
   raw_dtype = np.dtype(jnp.float32) if out == np.dtype(jnp.float16) else out
   raw = lax.dot_general(q_l, q_r, dims, precision=precision, preferred_element_type=raw_dtype)
   n_l, n_r = len(_free(q_l.ndim, lc, lb)), len(_free(q_r.ndim, rc, rb))
   scale = _to_output(s_l, lc, lb, True, n_r) * _to_output(s_r, rc, rb, False, n_l)
-  return (raw.astype(scale.dtype) * scale).astype(out)
+  product = (raw.astype(scale.dtype) * scale).astype(out)
+  # Each group's product in ``out``, summed in it: the partial products and the
+  # reduce-scatter of FSDP's weight gradient, as without groups.
+  return product.sum(axis=0, dtype=out) if pair else product
 
 
 def _contracting_axes(ndim: int, contracting: Sequence[int], recipe: Float8Recipe) -> tuple[int, ...]:
@@ -218,9 +245,19 @@ def _contracting_axes(ndim: int, contracting: Sequence[int], recipe: Float8Recip
 
 
 def _q(x: jax.Array, fmt: Any, recipe: Float8Recipe, contracting: Sequence[int],
-       amax: Any = None) -> tuple[jax.Array, jax.Array]:
+       amax: Any = None, contracted_rows: bool = False) -> tuple[jax.Array, jax.Array]:
+  """``x`` quantised; per group of rows (:func:`fp8_groups.groups_of`) where tensorwise and its amax is not known.
+
+  An operand whose first axis the matmul contracts keeps one scale, unless
+  ``contracted_rows`` (the cotangent, whose rows are the activations'): a
+  weight-like operand split along its contraction would trade the weight's
+  gather for a reduction of the product.
+  """
+  n_groups = 1
+  if not recipe.rowwise and amax is None and (contracted_rows or 0 not in contracting):
+    n_groups = fp8_groups.groups_of(x)
   return _quantize(x, np.dtype(fmt), recipe.margin, recipe.power_of_two,
-                   _contracting_axes(x.ndim, contracting, recipe), amax)
+                   _contracting_axes(x.ndim, contracting, recipe), amax, groups=n_groups)
 
 
 def _transposed(dims: Dims, lhs_ndim: int, rhs_ndim: int,
@@ -289,7 +326,7 @@ def _backward_gemms(dims: Dims, recipe: Float8Recipe, precision: Any, residuals:
   for wrt_lhs, other in ((True, rhs), (False, lhs)):
     gemm, perm = _transposed(dims, l_ndim, r_ndim, wrt_lhs)
     (g_contract, o_contract), _ = gemm
-    q_g = _q(g, recipe.backward, recipe, g_contract)
+    q_g = _q(g, recipe.backward, recipe, g_contract, contracted_rows=True)
     q_o = _q(other, recipe.forward, recipe, o_contract) if recipe.rowwise else other
     grads.append(lax.transpose(_scaled_dot(q_g, q_o, gemm, precision, np.dtype(dtype)), perm))
   return grads[0], grads[1]

@@ -61,6 +61,12 @@ def known(amaxes: Union[Mapping[str, jax.Array], None]) -> Iterator[None]:
     _KNOWN.reset(token)
 
 
+def is_weight(path: Union[str, None]) -> bool:
+  """Whether :func:`known` holds an amax for ``path``: a params leaf of two or more dims."""
+  amaxes = _KNOWN.get()
+  return path is not None and amaxes is not None and path in amaxes
+
+
 def amax_of(path: Union[str, None], operand: Any) -> Union[jax.Array, None]:
   """The known amax of the leaf at ``path``, in ``operand``'s dtype, or ``None`` if none is known.
 

@@ -33,6 +33,7 @@ from jax.extend import core as jex_core
 
 from jmp_lite._src import jaxpr_utils
 from jmp_lite._src import policy as policy_lib
+from jmp_lite._src.fp8 import lookup as fp8_lookup
 from jmp_lite._src.fp8.recipe import Float8Recipe
 
 # Ops through which a value keeps its source: same values, other dtype or layout.
@@ -117,12 +118,18 @@ class Plan:
       program measures every matmul in turn.
     under: ``{site of a higher-order equation: the kept flags of the matmuls
       nested in it, in program order}`` (see :func:`signature`).
+    lookups: ``{site: path}``: the row lookups (``jnp.take(table, i, axis=0)``,
+      an embedding; outside loop and ``shard_map`` bodies) whose table holds
+      the values of the argument leaf at ``path``, kept by no rule and not
+      smaller than ``min_size`` (tokens, rows, features): where ``path`` is
+      a params leaf, their cotangents run in FP8 (:mod:`jmp_lite._src.fp8.lookup`).
   """
 
   matmuls: Mapping[tuple[int, ...], Matmul]
   kept: frozenset[int] = frozenset()
   which: Any = None
   under: Mapping[tuple[int, ...], tuple[bool, ...]] = dataclasses.field(default_factory=dict)
+  lookups: Mapping[tuple[int, ...], str] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE: contextvars.ContextVar[Union[Plan, None]] = contextvars.ContextVar(
@@ -169,6 +176,9 @@ def _sub_inputs(eqn: Any, sub: Any, k: int, srcs: list[_Src]) -> list[_Src]:
 
 
 Found = list[tuple[tuple[int, ...], Any, Matmul]]  # (site, eqn, matmul)
+# (site, eqn, the path of the argument leaf its table holds): row lookups (jnp.take's
+# is inside its own jit), outside loop and shard_map bodies.
+Lookups = list[tuple[tuple[int, ...], Any, str]]
 
 
 def _elementwise(eqn: Any, ins: list[_Src]) -> _Src:
@@ -179,8 +189,12 @@ def _elementwise(eqn: Any, ins: list[_Src]) -> _Src:
   return _Src((), tuple(dict.fromkeys(reads)))
 
 
-def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] = ()) -> list[_Src]:
-  """Adds the matmuls of ``jaxpr`` (nested at ``site``) to ``found``; the sources of its outputs."""
+def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] = (),
+          lookups: Union[Lookups, None] = None) -> list[_Src]:
+  """Adds the matmuls of ``jaxpr`` (nested at ``site``) to ``found``; the sources of its outputs.
+
+  Row lookups of a leaf's values at the top level go to ``lookups``.
+  """
   env: dict[Any, _Src] = dict(zip(jaxpr.invars, sources))
 
   def src(v: Any) -> _Src:
@@ -196,6 +210,11 @@ def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] =
       found.append((site + (id(eqn),), eqn, Matmul(
           len(found), _name(eqn), (ins[0].paths, ins[1].paths), _dims(eqn), reads,
           exact)))  # type: ignore[arg-type]
+    elif name == "gather" and lookups is not None:
+      table = ins[0]
+      if table.exact and len(table.paths) == 1 and fp8_lookup.is_row_lookup(
+          tuple(eqn.invars[0].aval.shape), eqn.params):
+        lookups.append((site + (id(eqn),), eqn, table.paths[0]))
     elif name in _PASS and eqn.invars:
       spread = name == "broadcast_in_dim" and (
           math.prod(eqn.outvars[0].aval.shape) != math.prod(eqn.invars[0].aval.shape))
@@ -207,7 +226,7 @@ def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] =
       sub_ins = _sub_inputs(eqn, sub, k, ins)
       if name in _INEXACT_BODIES:
         sub_ins = [x._replace(exact=False) for x in sub_ins]
-      sub_outs = _walk(sub, sub_ins, found, site + (id(eqn),))
+      sub_outs = _walk(sub, sub_ins, found, site + (id(eqn),), lookups)
       if len(subs) == 1 and len(sub_outs) == len(eqn.outvars) and name != "scan":
         outs = sub_outs  # A call's outputs are its body's.
     env.update(zip(eqn.outvars, outs))
@@ -236,9 +255,10 @@ def matmuls(jaxpr: Any, paths: Sequence[Union[str, None]]) -> list[tuple[Any, Ma
   return [(eqn, m) for _, eqn, m in _found(jaxpr, paths)]
 
 
-def _found(jaxpr: Any, paths: Sequence[Union[str, None]]) -> Found:
+def _found(jaxpr: Any, paths: Sequence[Union[str, None]],
+           lookups: Union[Lookups, None] = None) -> Found:
   found: Found = []
-  _walk(jaxpr, [_NONE if p is None else _Src((p,), (p,)) for p in paths], found)
+  _walk(jaxpr, [_NONE if p is None else _Src((p,), (p,)) for p in paths], found, (), lookups)
   return found
 
 
@@ -251,15 +271,21 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
   ``min_size`` that no floating matmul reaches, since FP8 was asked for and
   nothing would run in it.
   """
-  sites = _found(jaxpr, paths)
+  lookups: Lookups = []
+  sites = _found(jaxpr, paths, lookups)
   found = [(eqn, m) for _, eqn, m in sites]
   _warn_if_all_too_small([(eqn, m) for eqn, m in found if _floating(eqn)], recipe)
   kept: set[int] = set()
   keep = tuple(recipe.keep)  # type: ignore[arg-type]  # Normalised to a tuple by the recipe.
+  leaf_of = {p: x for p, x in zip(paths, leaves) if p is not None}
+  rules = [policy_lib.compile_rule(r) for r in keep]
+  fp8_lookups = {site: path for site, eqn, path in lookups
+                 if not any(rule(path, leaf_of[path]) for rule in rules)
+                 and min(math.prod(eqn.invars[1].aval.shape[:-1]),
+                         *eqn.invars[0].aval.shape) >= recipe.min_size}
   if keep:
-    leaf_of = {p: x for p, x in zip(paths, leaves) if p is not None}
-    read = list({p: leaf_of[p] for _, m in found for p in m.reads if p in leaf_of}.items())
-    rules = [policy_lib.compile_rule(r) for r in keep]
+    read = list({p: leaf_of[p] for p in [*(p for _, m in found for p in m.reads),
+                                         *(path for _, _, path in lookups)] if p in leaf_of}.items())
     for eqn, m in found:
       if any(rule(p, leaf_of[p]) for rule in rules for p in m.reads if p in leaf_of):
         kept.add(m.index)
@@ -271,7 +297,7 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
     for k in range(1, len(site)):
       under.setdefault(site[:k], []).append(m.index in kept)
   return Plan({site: m for site, _, m in sites}, frozenset(kept), _WHICH.get(),
-              {site: tuple(flags) for site, flags in under.items()})
+              {site: tuple(flags) for site, flags in under.items()}, fp8_lookups)
 
 
 _TOO_SMALL_MSG = (
@@ -350,7 +376,9 @@ def signature() -> Any:
   p = _ACTIVE.get()
   if p is None:
     return None
-  return (_UNPLANNED.get(), p.under.get(_SITE.get()))
+  site = _SITE.get()
+  return (_UNPLANNED.get(), p.under.get(site),
+          tuple(s[len(site):] for s in p.lookups if s[:len(site)] == site))
 
 
 def keeps_any() -> bool:
@@ -398,6 +426,14 @@ def exact_sources(eqn: Any) -> tuple[Union[str, None], Union[str, None]]:
     return (None, None)
   m = p.matmuls.get(_SITE.get() + (id(eqn),))
   return (None, None) if m is None else m.exact
+
+
+def lookup_source(eqn: Any) -> Union[str, None]:
+  """The argument path of the table a row lookup ``eqn`` reads, if its cotangent may run in FP8."""
+  p = _ACTIVE.get()
+  if p is None or p.which is not None:
+    return None
+  return p.lookups.get(_SITE.get() + (id(eqn),))
 
 
 def run_time_choice(eqn: Any) -> Union[tuple[Any, int], None]:
