@@ -5,7 +5,8 @@ state and batch are sharded FSDP-style along one mesh axis of 8 GPUs (every
 leaf on its first axis where 8 divides it, else replicated), and XLA's SPMD
 partitioner gathers each weight where it is used. For each model and variant
 (``fp32``, ``bf16_autocast``, ``bf16_fp8``: autocast with
-``Float8Recipe(min_size=0)``) the script compiles the step with
+``Float8Recipe(min_size=0)``, ``bf16_fp8_amaxes``: the same with the weights'
+amaxes kept in the state, ``TrainState.create(weight_amaxes=True)``) the script compiles the step with
 ``jmp.compile_for_gpu`` on a topology mesh of 8 H100s (no GPU needed: the CUDA
 plugin's compiler, deviceless) and reports, from the compiled program:
 
@@ -45,8 +46,8 @@ from benchmarks import models  # noqa: E402
 from benchmarks import report  # noqa: E402
 
 PROG = "python -m benchmarks.fsdp_census"
-VARIANTS = ("fp32", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise")
-DEFAULT_VARIANTS = ("fp32", "bf16_autocast", "bf16_fp8")
+VARIANTS = ("fp32", "bf16_autocast", "bf16_fp8", "bf16_fp8_amaxes", "bf16_fp8_rowwise")
+DEFAULT_VARIANTS = ("fp32", "bf16_autocast", "bf16_fp8", "bf16_fp8_amaxes")
 DEFAULT_MODELS = ("transformer", "mlp")
 AXIS = "fsdp"
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "jmp_lite" / "fsdp_census"
@@ -162,7 +163,7 @@ def check_bars(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, A
   index = {(r["model"], r["variant"]): r for r in rows}
   found = []
   for model in dict.fromkeys(r["model"] for r in rows):
-    for fp8 in ("bf16_fp8", "bf16_fp8_rowwise"):
+    for fp8 in ("bf16_fp8", "bf16_fp8_amaxes", "bf16_fp8_rowwise"):
       f, b = index.get((model, fp8)), index.get((model, "bf16_autocast"))
       if f is None or b is None:
         continue

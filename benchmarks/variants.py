@@ -22,6 +22,10 @@ is jitted with its state donated:
                 set; name it: ``--variants bf16_autocast,bf16_fp8``.
   bf16_fp8_rowwise  ``bf16_fp8`` with ``Float8Recipe(min_size=0, scaling="rowwise")``: a scale
                 per row of each operand. Not in the default set.
+  bf16_fp8_amaxes  ``bf16_fp8`` with ``TrainState.create(weight_amaxes=True)``: the
+                weights' amaxes kept in the state, written with the masters,
+                instead of taken from the weights at the top of each step.
+                Not in the default set.
   fp32_step     jmp_lite ``make_train_step`` with the ``float32`` policy and plain
                 ``adam``: the library's step with no mixed precision, against
                 ``fp32``. Not in the default set.
@@ -62,6 +66,7 @@ VARIANTS = (
     "bf16_autocast",
     "bf16_fp8",
     "bf16_fp8_rowwise",
+    "bf16_fp8_amaxes",
     "fp32_step",
     "bf16_lean",
     "f16_noscale",
@@ -77,6 +82,7 @@ LABELS = {
     "bf16_autocast": "jmp_lite bf16, autocast",
     "bf16_fp8": "jmp_lite bf16, autocast + FP8 matmuls",
     "bf16_fp8_rowwise": "jmp_lite bf16, autocast + FP8 matmuls, rowwise scales",
+    "bf16_fp8_amaxes": "jmp_lite bf16, autocast + FP8 matmuls, amaxes in the state",
     "fp32_step": "jmp_lite fp32 policy, plain adam",
     "bf16_lean": "jmp_lite bf16, bf16 masters (stochastic)",
     "f16_noscale": "f16, no scaling (hand-written)",
@@ -85,8 +91,8 @@ LABELS = {
 }
 
 # What ``--variants all`` runs (``fp32_highest`` only on a GPU).
-ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise", "fp32_step",
-                   "bf16_lean")
+ONLY_WHEN_NAMED = ("f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise",
+                   "bf16_fp8_amaxes", "fp32_step", "bf16_lean")
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ONLY_WHEN_NAMED)
 
 LEARNING_RATE = 1e-3
@@ -276,7 +282,7 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
         lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=tx),
     )
   if name in ("bf16", "f16_dynamic", "f16_autocast", "bf16_autocast", "bf16_fp8", "bf16_fp8_rowwise",
-              "bf16_lean"):
+              "bf16_fp8_amaxes", "bf16_lean"):
     if name.startswith("bf16"):
       policy = jmp_lite.get_policy("mixed_bfloat16")
       lib_tx = jmp_lite.static_loss_scaling(tx, 1.0)
@@ -287,10 +293,13 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
       )
     # Every matmul in FP8 (min_size=0): the steps measure all-FP8 training, whatever the sizes.
     fp8_recipes = {"bf16_fp8": jmp_lite.Float8Recipe(min_size=0),
-                   "bf16_fp8_rowwise": jmp_lite.Float8Recipe(min_size=0, scaling="rowwise")}
-    lean = {}
+                   "bf16_fp8_rowwise": jmp_lite.Float8Recipe(min_size=0, scaling="rowwise"),
+                   "bf16_fp8_amaxes": jmp_lite.Float8Recipe(min_size=0)}
+    lean: dict[str, Any] = {}
     if name == "bf16_lean":
       lean = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(0))
+    if name == "bf16_fp8_amaxes":
+      lean = dict(weight_amaxes=True)
     return Variant(
         name,
         # Jitted, donates the state.

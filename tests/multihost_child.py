@@ -1,7 +1,8 @@
 """One process of tests/test_multihost.py: ``python multihost_child.py PROCESS_ID PORT CKPT_DIR``.
 
-Two of these run the same data-parallel train step over 2 processes x 2 CPU
-devices, connected by jax.distributed with gloo collectives. Each feeds its
+Two of these run the same data-parallel train step over 2 processes x 4 CPU
+devices, connected by jax.distributed with gloo collectives, then an FSDP
+step with FP8 weights (issue 44). Each feeds its
 own shard of every batch; process 1 poisons its shard of step 3. The result
 (one JSON line) must be the same in both processes.
 """
@@ -24,7 +25,7 @@ import jmp_lite as jmp
 def main(pid: int, port: str, ckpt: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
-  assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+  assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
   mesh = Mesh(np.array(jax.devices()), ("data",))
   rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
@@ -79,7 +80,32 @@ def main(pid: int, port: str, ckpt: str) -> None:
       "finite": finite, "skip_kept_params": params_before == params_after_skip,
       "skipped": int(jmp.skipped_steps_of(state.opt_state)),
       "final": digest(state), "resumed": digest(resumed),
+      **fsdp_fp8(mesh, init, loss_fn, batch, digest),
   }))
+
+
+def fsdp_fp8(mesh, init, loss_fn, batch, digest):
+  """FSDP with FP8 (issue 44) over both processes: params and batch on one axis, a global skip."""
+  def sharded(x):
+    spec = P("data") if x.shape[0] % mesh.size == 0 else P()
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+  tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**10)
+  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"), autocast=True,
+                             fp8=jmp.Float8Recipe(min_size=0))
+  state = jmp.TrainState.create(params=jax.tree.map(sharded, init), tx=tx,
+                                master_dtype=jnp.bfloat16, rounding="nearest")
+  losses, finite = [], []
+  for i in range(6):
+    state, m = step(state, batch(10 + i, poison=(i == 2 and jax.process_index() == 0)))
+    losses.append(float(m["loss"]))
+    finite.append(bool(m["grads_finite"]))
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  whole = multihost_utils.process_allgather(state.params, tiled=True)  # Every shard, both processes.
+  return {"fsdp_fp8_finite": finite, "fsdp_fp8_losses": losses,
+          "fsdp_fp8_spec": str(state.params["w1"].sharding.spec),
+          "fsdp_fp8_final": hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(whole))).hexdigest()}
 
 
 if __name__ == "__main__":

@@ -104,3 +104,63 @@ def test_a_step_whose_layers_call_a_jitted_helper_trains_and_retraces():
     state, metrics = step(state, {"x": jnp.linspace(-1, 1, n * 16).reshape(n, 16)})
     losses.append(float(metrics["loss"]))
   assert np.all(np.isfinite(losses)) and losses[2] < losses[0], losses
+
+
+def _mlp_loss(p, b):
+  h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+  return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2)
+
+
+def _mlp_problem():
+  k = jax.random.split(jax.random.key(5), 4)
+  params = {"w1": jax.random.normal(k[0], (16, 32)) * 0.3, "b1": jnp.zeros(32),
+            "w2": jax.random.normal(k[1], (32, 4)) * 0.3}
+  batch = {"x": jax.random.normal(k[2], (24, 16)), "y": jax.random.normal(k[3], (24, 4))}
+  return params, batch
+
+
+def test_a_state_keeps_its_weights_amaxes_and_the_fp8_step_reads_them_not_the_weights(monkeypatch):
+  params, batch = _mlp_problem()
+  tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**8)
+  policy = jmp.get_policy("mixed_bfloat16")
+  kept = jmp.TrainState.create(params=params, tx=tx, weight_amaxes=True)
+  plain = jmp.TrainState.create(params=params, tx=tx)
+  assert plain.weight_amaxes is None
+  assert sorted(jax.tree.leaves(fp8_known.by_path(kept.weight_amaxes))) == sorted(
+      [jnp.max(jnp.abs(params["w1"])), jnp.max(jnp.abs(params["w2"]))])
+  assert jmp.memory_ledger(kept).bytes_of("weight amaxes") == 8  # Two float32 scalars.
+  step_plain = jmp.make_train_step(_mlp_loss, policy, autocast=True, fp8=RECIPE)
+  for _ in range(3):
+    plain, _ = step_plain(plain, batch)
+
+  def refuse(paths, leaves):
+    raise AssertionError("the step took the weights' amaxes instead of the state's")
+
+  monkeypatch.setattr(fp8_known, "weight_amaxes", refuse)
+  traces = []
+  step = jmp.make_train_step(lambda p, b: traces.append(1) or _mlp_loss(p, b), policy,
+                             autocast=True, fp8=RECIPE)
+  for _ in range(3):
+    kept, metrics = step(kept, batch)
+    # Written with the masters: each is the amax of the weights the state now holds.
+    assert_bitwise_equal(kept.weight_amaxes, fp8_known.tree_amaxes(kept.params))
+  assert len(traces) == 1  # Stable structure: no retrace.
+  assert_bitwise_equal(kept.params, plain.params)  # The same scales, read instead of reduced.
+
+
+def test_a_skipped_step_leaves_the_amaxes_bit_for_bit_and_replace_takes_them_anew():
+  params, batch = _mlp_problem()
+  tx = jmp.dynamic_loss_scaling(optax.adam(1e-2), init_scale=2.0**8)
+  state = jmp.TrainState.create(params=params, tx=tx, master_dtype=jnp.bfloat16,
+                                rounding="nearest", weight_amaxes=True)
+  step = jmp.make_train_step(_mlp_loss, jmp.get_policy("mixed_bfloat16"), autocast=True, fp8=RECIPE)
+  state, _ = step(state, batch)
+  before = jax.device_get(state.weight_amaxes)  # The step donates the state.
+  state, metrics = step(state, dict(batch, x=batch["x"].at[3, 2].set(jnp.nan)))
+  assert not bool(metrics["grads_finite"])
+  assert_bitwise_equal(state.weight_amaxes, before)
+  assert state.weight_amaxes["w1"].dtype == jnp.bfloat16  # The masters' dtype: exact.
+  bigger = state.replace(params=jax.tree.map(lambda x: x * 4, state.params))
+  assert float(bigger.weight_amaxes["w2"]) == 4 * float(before["w2"])
+  with pytest.raises(TypeError, match="weight_amaxes"):
+    jmp.TrainState.create(params=params, tx=tx, weight_amaxes="yes")

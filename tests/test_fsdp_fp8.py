@@ -12,8 +12,11 @@ Params, Adam state and batch sharded on their first axis over one mesh axis:
   rounded to e5m2 with their own scale (gathered as float8 on GPUs);
 - after 100 steps the FSDP FP8 params are about as close to bf16 autocast's
   as the unsharded FP8 ones are (relative distance, worst leaf);
-- with bf16 masters and dynamic loss scaling, a NaN in one device's shard
-  skips the step everywhere, params bit for bit, and the next step trains.
+- with bf16 masters, the weights' amaxes kept in the state and dynamic loss
+  scaling, a NaN in one device's shard skips the step everywhere, params and
+  amaxes bit for bit, and the next step trains;
+- with ``quantize_state`` its codes shard with the params, and an orbax
+  checkpoint saved on 8 devices resumes on a mesh of 4, bit for bit, and trains.
 """
 
 import os
@@ -151,16 +154,48 @@ CHILD = textwrap.dedent(
     tx = jmp.dynamic_loss_scaling(optax.adam(1e-3), init_scale=2.0**10)
     step = jmp.make_train_step(loss_fn, bf16, autocast=True, fp8=recipe)
     state = jmp.TrainState.create(params=shard(params), tx=tx, master_dtype=jnp.bfloat16,
-                                  rounding="nearest")
-    before = jax.device_get(state.params)
+                                  rounding="nearest", weight_amaxes=True)
+    before, amaxes = jax.device_get(state.params), jax.device_get(state.weight_amaxes)
     state, metrics = step(state, shard({"x": x.at[61, 3].set(jnp.nan), "y": y}))
     assert not bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 2.0**10
     for n, v in jax.device_get(state.params).items():
       np.testing.assert_array_equal(v.view(np.uint16), before[n].view(np.uint16))
+    for n, v in jax.device_get(state.weight_amaxes).items():  # The weights' amaxes too.
+      assert (v is None and amaxes[n] is None) or v.view(np.uint16) == amaxes[n].view(np.uint16), n
     assert float(jmp.loss_scale_of(state.opt_state)) == 2.0**9
     state, metrics = step(state, shard({"x": x, "y": y}))
     assert bool(metrics["grads_finite"]) and state.params["w1"].sharding.spec == P("fsdp")
     assert not np.array_equal(np.asarray(state.params["w1"]), np.asarray(before["w1"]))
+
+    # 5. Composes with quantize_state (its codes and scales sharded with the
+    # params) and orbax: saved on 8 devices, resumed on a mesh of 4, bit for bit.
+    import tempfile
+    import orbax.checkpoint as ocp
+    tx = jmp.dynamic_loss_scaling(jmp.quantize_state(optax.adam(1e-3), "int8", min_size=0),
+                                  init_scale=2.0**10)
+    step = jmp.make_train_step(loss_fn, bf16, autocast=True, fp8=recipe)
+    state = jmp.TrainState.create(params=shard(params), tx=tx, master_dtype=jnp.bfloat16,
+                                  rounding="nearest")
+    for _ in range(5):
+      state, metrics = step(state, shard({"x": x, "y": y}))
+    assert bool(metrics["grads_finite"]) and float(metrics["loss"]) < start
+    coded = [l for l in jax.tree.leaves(state.opt_state) if l.dtype == jnp.uint8]  # int8 codes' bytes
+    assert any(l.sharding.spec[:1] == ("fsdp",) for l in coded), [(l.shape, l.sharding.spec) for l in coded]
+    mesh4 = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    def on4(x):
+      ok = x.ndim >= 1 and x.shape[0] % 4 == 0
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh4, P("fsdp") if ok else P()))
+    with tempfile.TemporaryDirectory() as d, ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(d + "/state", state)
+      ckptr.wait_until_finished()
+      resumed = ckptr.restore(d + "/state", jax.tree.map(on4, state))
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(resumed))):
+      np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8))
+    assert resumed.params["w1"].sharding.mesh.devices.size == 4
+    four = lambda t: jax.device_put(t, NamedSharding(mesh4, P("fsdp")))
+    resumed, metrics = jmp.make_train_step(loss_fn, bf16, autocast=True, fp8=recipe)(
+        resumed, four({"x": x, "y": y}))
+    assert bool(metrics["grads_finite"]) and resumed.params["w1"].sharding.mesh.devices.size == 4
     print("ok")
     """
 )

@@ -316,7 +316,9 @@ def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Calla
         # The params' leaves only: the batch's rows are scaled where they are
         # (per device under FSDP, fp8_groups.groups_of), not by one global amax.
         n = sum(1 for leaf in jax.tree.leaves(args[0]) if filtering.is_traced(leaf)) if args else 0
-        amaxes = fp8_known.weight_amaxes(paths[:n], leaves[:n])
+        amaxes = fp8_known.given_amaxes()  # A train step's, from its state.
+        if amaxes is None:
+          amaxes = fp8_known.weight_amaxes(paths[:n], leaves[:n])
     with fp8_plan.active(plan), fp8_known.known(amaxes):
       outs = interp.eval_closed(closed, leaves, cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])

@@ -21,7 +21,8 @@ from jmp_lite._src.optim import quantize as quantize_lib
 from jmp_lite._src.step import train_state as train_state_lib
 
 # The parts of a TrainState, in table order.
-PARTS = ("params", "compensation", "optimizer state", "model state", "step and key", "other")
+PARTS = ("params", "compensation", "optimizer state", "model state", "weight amaxes",
+         "step and key", "other")
 
 
 class LedgerRow(NamedTuple):
@@ -29,8 +30,8 @@ class LedgerRow(NamedTuple):
 
   Attributes:
     part: ``"params"``, ``"compensation"``, ``"optimizer state"``, ``"model
-      state"``, ``"step and key"`` or ``"other"`` (a pytree that is not a
-      ``TrainState``).
+      state"``, ``"weight amaxes"`` (FP8's, ``TrainState.weight_amaxes``),
+      ``"step and key"`` or ``"other"`` (a pytree that is not a ``TrainState``).
     stored_as: the dtype name, or ``"int8 codes"``, ``"uint8 codes"``, ``"4-bit codes"``
       (two a byte: its elements are codes, its bytes half as many),
       ``"float8_e4m3fn codes"`` and ``"float32 scales"`` for state that
@@ -167,6 +168,7 @@ def memory_ledger(x: Any) -> MemoryLedger:
     _count("compensation", x.compensation, tally)
     _count("optimizer state", x.opt_state, tally)
     _count("model state", x.model_state, tally)
+    _count("weight amaxes", x.weight_amaxes, tally)
     _count("step and key", (x.step, x.rounding_key), tally)
     params = _floating_elements(x.params)
   else:

@@ -27,8 +27,67 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmp_lite._src import tree_utils
+
 _KNOWN: contextvars.ContextVar[Union[Mapping[str, jax.Array], None]] = contextvars.ContextVar(
     "jmp_lite_fp8_known_amaxes", default=None)
+# The amaxes a train step read from its state (TrainState.weight_amaxes), by path.
+_GIVEN: contextvars.ContextVar[Union[Mapping[str, jax.Array], None]] = contextvars.ContextVar(
+    "jmp_lite_fp8_given_amaxes", default=None)
+
+
+def _amax(leaf: Any) -> Any:
+  """``max|leaf|`` in its own dtype, no gradient, for a floating leaf of two or more dims; else ``None``."""
+  if not hasattr(leaf, "dtype") or jnp.ndim(leaf) < 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+    return None
+  return lax.stop_gradient(jnp.max(jnp.abs(leaf), initial=0))  # As fp8_dot._scale takes it.
+
+
+def tree_amaxes(params: Any) -> Any:
+  """``params`` with each weight matrix's amax in its place (``None`` at the other leaves).
+
+  What :class:`jmp_lite.TrainState` keeps as ``weight_amaxes``: taken from
+  the masters when a step writes them, all in one computation, so that the
+  next step's FP8 casts need no reduction before their gathers.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> tree_amaxes({"w": jnp.array([[1.0, -3.0]]), "b": jnp.ones(2), "n": 3})
+    {'b': None, 'n': None, 'w': Array(3., dtype=float32)}
+  """
+  return jax.tree.map(_amax, params)
+
+
+def by_path(amaxes: Any) -> Union[dict[str, jax.Array], None]:
+  """A :func:`tree_amaxes` tree as ``{path: amax}``, the paths autocast names argument leaves by.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> by_path(tree_amaxes({"dense": {"w": jnp.ones((2, 2))}, "b": jnp.ones(2)}))
+    {'dense/w': Array(1., dtype=float32)}
+  """
+  if amaxes is None:
+    return None
+  return {tree_utils.path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(amaxes)[0]}
+
+
+@contextlib.contextmanager
+def _holding(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
+def given(amaxes: Union[Mapping[str, jax.Array], None]) -> contextlib.AbstractContextManager[None]:
+  """Makes ``amaxes`` (by params path) the ones a step autocast uses instead of taking its own."""
+  return _holding(_GIVEN, amaxes)
+
+
+def given_amaxes() -> Union[Mapping[str, jax.Array], None]:
+  """The amaxes :func:`given` set, or ``None``."""
+  return _GIVEN.get()
 
 
 def weight_amaxes(paths: Sequence[Union[str, None]], leaves: Sequence[Any]) -> dict[str, jax.Array]:
@@ -42,23 +101,17 @@ def weight_amaxes(paths: Sequence[Union[str, None]], leaves: Sequence[Any]) -> d
     >>> {k: float(v) for k, v in amaxes.items()}
     {'w': 3.0}
   """
-  found = {}
+  found: dict[str, jax.Array] = {}
   for path, leaf in zip(paths, leaves):
-    if path is None or not hasattr(leaf, "dtype") or jnp.ndim(leaf) < 2:
-      continue
-    if jnp.issubdtype(leaf.dtype, jnp.floating):
-      found[path] = lax.stop_gradient(jnp.max(jnp.abs(leaf), initial=0))  # As _scale takes it.
+    amax = None if path is None else _amax(leaf)
+    if path is not None and amax is not None:
+      found[path] = amax
   return found
 
 
-@contextlib.contextmanager
-def known(amaxes: Union[Mapping[str, jax.Array], None]) -> Iterator[None]:
+def known(amaxes: Union[Mapping[str, jax.Array], None]) -> contextlib.AbstractContextManager[None]:
   """Makes ``amaxes`` (by argument path) the ones :func:`amax_of` reads while the block runs."""
-  token = _KNOWN.set(amaxes)
-  try:
-    yield
-  finally:
-    _KNOWN.reset(token)
+  return _holding(_KNOWN, amaxes)
 
 
 def is_weight(path: Union[str, None]) -> bool:

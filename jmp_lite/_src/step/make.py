@@ -15,6 +15,7 @@ import jax
 
 from jmp_lite._src.autocast import autocast as autocast_lib
 from jmp_lite._src import checks
+from jmp_lite._src.fp8 import known as fp8_known
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.step import half_share
 from jmp_lite._src.step import stages
@@ -222,7 +223,8 @@ def make_train_step(
     scale = transform.loss_scale_of(state.opt_state)
     stages.warn_unmatched_keep_rules(config, state, batch)
     inputs = stages.cast_inputs(config, state, batch)
-    grads = stages.scaled_gradient(config, inputs, scale)
+    with fp8_known.given(fp8_known.by_path(state.weight_amaxes)):  # FP8 scales, known before.
+      grads = stages.scaled_gradient(config, inputs, scale)
     guard, opt_state = stages.guarded_update(config, state, inputs, grads)
     new_state = stages.write_back(state, guard, opt_state).replace(
         model_state=stages.next_model_state(state, grads.model_state, guard.finite))

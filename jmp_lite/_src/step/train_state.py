@@ -20,6 +20,7 @@ from jax.typing import DTypeLike
 from jmp_lite._src import checks
 from jmp_lite._src import filtering
 from jmp_lite._src import masters
+from jmp_lite._src.fp8 import known as fp8_known
 from jmp_lite._src.scaling import transform
 from jmp_lite._src import tree_utils
 
@@ -172,6 +173,15 @@ class TrainState:
       counts and other non-param variables), or ``None``. The step passes it
       to ``loss_fn`` and stores what ``loss_fn`` returns for it, except on a
       skipped step; it is never differentiated and has no optimizer state.
+    weight_amaxes: with ``TrainState.create(..., weight_amaxes=True)``, the
+      params with each weight matrix's amax (``max|w|``, a scalar in the
+      master's dtype) in its place and ``None`` at the other leaves; else
+      ``None``. A step with ``fp8=`` quantises each weight with it instead of
+      reducing the weight first (so under FSDP its float8 cast and gather
+      need not wait for an all-reduce), and every step writes the new
+      masters' amaxes, all in one computation, when it writes the masters
+      (the same on a skipped step, whose masters are unchanged).
+      :meth:`replace` with new ``params`` takes them anew.
     master_dtype: ``float32`` (the default) or ``bfloat16``.
     rounding: how updates are written back to bfloat16 masters:
       ``"nearest"``, ``"stochastic"`` or ``"kahan"``.
@@ -184,6 +194,7 @@ class TrainState:
   compensation: optax.Params | None = None
   rounding_key: jax.Array | None = None
   model_state: Any = None
+  weight_amaxes: Any = None
   master_dtype: np.dtype = dataclasses.field(
       default=masters.FLOAT32, metadata=dict(static=True)
   )
@@ -199,6 +210,7 @@ class TrainState:
       rounding: str = "nearest",
       key: jax.Array | None = None,
       model_state: Any = None,
+      weight_amaxes: bool = False,
   ) -> "TrainState":
     """A fresh state: step 0, master params and ``tx.init`` over them.
 
@@ -238,6 +250,9 @@ class TrainState:
       model_state: optional non-trainable state (see the class docstring),
         owned and normalised like float32 ``params`` (floating leaves in
         float32, whatever ``master_dtype``).
+      weight_amaxes: keep each weight matrix's amax in the state (see the
+        class docstring): the FP8 step's scales, known before its first
+        gather, from this state on.
 
     Returns:
       A ``TrainState`` with ``step`` 0 (int32).
@@ -279,6 +294,7 @@ class TrainState:
       rounding_key = _replicated_like(_own_key(masters.as_key(key)), params)
     opt_state = _init_owned(tx, trained_part(masters.float32_view(params)))
     transform.check_outermost(tx, opt_state)
+    amaxes = fp8_known.tree_amaxes(params) if checks.boolean("weight_amaxes", weight_amaxes) else None
     return cls(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -287,6 +303,7 @@ class TrainState:
         compensation=compensation,
         rounding_key=rounding_key,
         model_state=_own_tree(model_state, masters.FLOAT32),
+        weight_amaxes=amaxes,
         master_dtype=master_dtype,
         rounding=rounding,
     )
@@ -301,7 +318,13 @@ class TrainState:
     self.__dict__["_seen"] = _seen(self.__dict__, specs)
 
   def replace(self, **changes: Any) -> "TrainState":
-    """A copy with some fields replaced (``dataclasses.replace``)."""
+    """A copy with some fields replaced (``dataclasses.replace``).
+
+    New ``params`` come with their own ``weight_amaxes`` when the state keeps
+    them (and ``changes`` does not set them): never another weight's.
+    """
+    if "params" in changes and "weight_amaxes" not in changes and self.weight_amaxes is not None:
+      changes["weight_amaxes"] = fp8_known.tree_amaxes(changes["params"])
     return dataclasses.replace(self, **changes)
 
 
