@@ -164,3 +164,30 @@ def test_a_skipped_step_leaves_the_amaxes_bit_for_bit_and_replace_takes_them_ane
   assert float(bigger.weight_amaxes["w2"]) == 4 * float(before["w2"])
   with pytest.raises(TypeError, match="weight_amaxes"):
     jmp.TrainState.create(params=params, tx=tx, weight_amaxes="yes")
+
+
+def test_a_rowwise_step_takes_each_weights_row_amaxes_before_and_matches_bit_for_bit(monkeypatch):
+  rowwise = jmp.Float8Recipe(min_size=0, scaling="rowwise")
+  w = jnp.array(np.linspace(-2.0, 3.0, 64).reshape(8, 8) * np.logspace(-2, 1, 8), jnp.float32)
+  x = jnp.array(np.linspace(-1.0, 1.0, 32).reshape(4, 8), jnp.float32)
+  seen = []
+  original = fp8_known.amax_of
+
+  def spy(path, operand):
+    found = original(path, operand)
+    seen.append((path, None if found is None else found.shape))
+    return found
+
+  monkeypatch.setattr(fp8_known, "amax_of", spy)
+
+  def loss(p, x):
+    return (jnp.tanh(x @ p["w"]) @ p["w"].T).sum()  # w in its layout, then transposed.
+
+  f = autocast_lib.step_autocast(loss, jnp.bfloat16, rowwise)
+  value, grad = jax.value_and_grad(f)({"w": w}, x)
+  # The first use: max over w's contracting axis 0, one per column, taken before.
+  assert ("w", (0,)) in [s[0] for s in seen] and dict(seen)[("w", (0,))] == (1, 8), seen
+  assert None in [s[0] for s in seen]  # The transposed use reduces its operand itself.
+  plain = jmp.autocast(loss, jnp.bfloat16, fp8=rowwise)  # Not a step: reduces every operand.
+  value_p, grad_p = jax.value_and_grad(plain)({"w": w}, x)
+  assert_bitwise_equal((value, grad), (value_p, grad_p))

@@ -96,14 +96,18 @@ CHILD = textwrap.dedent(
     # amax across devices: its only max-reductions are the weights' amaxes.
     from jmp_lite._src.diagnostics import hlo_census
     def all_reduces(fp8):
-      step = jmp.make_train_step(loss_fn, bf16, autocast=True, fp8=recipe if fp8 else None)
+      step = jmp.make_train_step(loss_fn, bf16, autocast=True, fp8=fp8 or None)
       state = jmp.TrainState.create(params=shard(params), tx=optax.adam(1e-3))
       text = step.lower(state, shard({"x": x, "y": y})).compile().as_text()
       return [c.reduction for c in hlo_census.collectives(text) if c.kind == "all-reduce"]
-    fp8_reduces, bf16_reduces = all_reduces(True), all_reduces(False)
-    print("all-reduces", fp8_reduces, bf16_reduces)
-    assert fp8_reduces.count("maximum") <= 3, fp8_reduces  # w1, w2, w3 (XLA:CPU may not combine)
-    assert len(fp8_reduces) - fp8_reduces.count("maximum") <= len(bf16_reduces), (fp8_reduces, bf16_reduces)
+    bf16_reduces = all_reduces(None)
+    # Rowwise too: the weights' per-row amaxes taken together at the top, the
+    # weight gradients' over each device's rows of the batch.
+    for r in (recipe, jmp.Float8Recipe(min_size=0, scaling="rowwise")):
+      fp8_reduces = all_reduces(r)
+      print("all-reduces", r.scaling, fp8_reduces, bf16_reduces)
+      assert fp8_reduces.count("maximum") <= 3, fp8_reduces  # w1, w2, w3 (XLA:CPU may not combine)
+      assert len(fp8_reduces) - fp8_reduces.count("maximum") <= len(bf16_reduces), (fp8_reduces, bf16_reduces)
 
     # 2c. An embedding's cotangent: each device's rows in e5m2 with their own
     # scale, gathered, and scatter-added into the vocabulary-sharded table.

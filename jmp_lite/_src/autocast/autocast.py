@@ -319,6 +319,9 @@ def _wrap(fun: Callable[P, T], cfg: interp._Config, params_first: bool) -> Calla
         amaxes = fp8_known.given_amaxes()  # A train step's, from its state.
         if amaxes is None:
           amaxes = fp8_known.weight_amaxes(paths[:n], leaves[:n])
+        if cfg.fp8.rowwise:  # Per row: over each weight operand's contracting axes.
+          amaxes = {**amaxes, **fp8_known.row_amaxes(
+              fp8_plan.row_needs(plan), dict(zip(paths[:n], leaves[:n])))}
     with fp8_plan.active(plan), fp8_known.known(amaxes):
       outs = interp.eval_closed(closed, leaves, cfg)
     return filtering.combine(jax.tree.unflatten(out["tree"], outs), out["spec"])

@@ -59,7 +59,10 @@ def rule(eqn: Any, ins: list[Any], cfg: interp._Config) -> Union[list[Any], None
   params = interp.retarget(eqn, cfg.dtype)
   # An operand that holds a weight's values is quantised with the weight's amax,
   # taken before the matmul: under FSDP its float8 cast runs before the gather.
-  sources = fp8_plan.exact_sources(eqn)
+  sources: tuple[Any, Any] = fp8_plan.exact_sources(eqn)
+  if recipe.rowwise:  # Per row: the amax over the operand's contracting axes.
+    sources = tuple(None if s is None or a is None else (s, a)  # type: ignore[assignment]
+                    for s, a in zip(sources, fp8_plan.exact_rows(eqn)))
   out = fp8_dot.fp8_dot_general(
       lhs, rhs, params["dimension_numbers"], recipe=recipe,
       precision=params.get("precision"),

@@ -49,19 +49,23 @@ def _wide(dtype: Any) -> np.dtype[Any]:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4), static_argnames=("groups",))  # One dispatch, not twenty, when eager.
 def _scale(x: jax.Array, fmt: np.dtype[Any], margin: int, power_of_two: bool,
            axes: tuple[int, ...], amax: Any = None, groups: int = 1) -> jax.Array:
-  """The scale of ``x`` over ``axes``, or per group of rows (shape ``(groups, 1, ...)``).
+  """The scale of ``x`` over ``axes``, each group of rows apart (shape ``(groups, ...)``) if ``groups > 1``.
 
-  ``amax``, when given, is ``x``'s, known before (issue 44).
+  ``amax``, when given, is ``x``'s, known before (issue 44). With groups the
+  first axis is one of ``axes``: its ``groups`` blocks of rows are reduced
+  apart (each device's own shard, :func:`fp8_groups.groups_of`).
   """
   wide = _wide(x.dtype)
   info = jnp.finfo(wide)
   shape = [1 if d in axes else n for d, n in enumerate(x.shape)]
   if groups > 1:
-    shape = [groups] + [1] * (x.ndim - 1)
-    amax = jnp.max(jnp.abs(x.reshape(groups, -1)), axis=1, initial=0)
+    blocks = jnp.abs(x.reshape((groups, x.shape[0] // groups) + x.shape[1:]))
+    amax = jnp.max(blocks, axis=(1, *(d + 1 for d in axes if d)), keepdims=True, initial=0)
+    amax = amax.reshape((groups,) + amax.shape[2:])
+    shape = [groups] + shape[1:]
   elif amax is None:
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
-  amax = jnp.broadcast_to(jnp.reshape(amax, [-1] + [1] * (x.ndim - 1)) if groups > 1 else amax, shape)
+  amax = jnp.broadcast_to(amax, shape)
   amax = amax.astype(x.dtype).astype(wide)  # exact
   s = amax * np.asarray(2.0 ** margin / float(jnp.finfo(fmt).max), wide)
   if power_of_two:  # The smallest power of two >= s.
@@ -246,16 +250,18 @@ def _contracting_axes(ndim: int, contracting: Sequence[int], recipe: Float8Recip
 
 def _q(x: jax.Array, fmt: Any, recipe: Float8Recipe, contracting: Sequence[int],
        amax: Any = None, contracted_rows: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``x`` quantised; per group of rows (:func:`fp8_groups.groups_of`) where tensorwise and its amax is not known.
+  """``x`` quantised; per group of rows (:func:`fp8_groups.groups_of`) where its amax is not known.
 
-  An operand whose first axis the matmul contracts keeps one scale, unless
-  ``contracted_rows`` (the cotangent, whose rows are the activations'): a
-  weight-like operand split along its contraction would trade the weight's
-  gather for a reduction of the product.
+  Tensorwise, an operand whose first axis the matmul contracts keeps one
+  scale, unless ``contracted_rows`` (a backward operand, whose rows are the
+  batch's): a weight-like operand split along its contraction would trade
+  the weight's gather for a reduction of the product. Rowwise, the scales
+  are per row already; only a backward operand whose rows the GEMM contracts
+  (a weight gradient's) is reduced per group of them.
   """
   n_groups = 1
-  if not recipe.rowwise and amax is None and (contracted_rows or 0 not in contracting):
-    n_groups = fp8_groups.groups_of(x)
+  if amax is None and (contracted_rows if recipe.rowwise else (contracted_rows or 0 not in contracting)):
+    n_groups = fp8_groups.groups_of(x) if 0 in contracting or not recipe.rowwise else 1
   return _quantize(x, np.dtype(fmt), recipe.margin, recipe.power_of_two,
                    _contracting_axes(x.ndim, contracting, recipe), amax, groups=n_groups)
 
@@ -327,7 +333,7 @@ def _backward_gemms(dims: Dims, recipe: Float8Recipe, precision: Any, residuals:
     gemm, perm = _transposed(dims, l_ndim, r_ndim, wrt_lhs)
     (g_contract, o_contract), _ = gemm
     q_g = _q(g, recipe.backward, recipe, g_contract, contracted_rows=True)
-    q_o = _q(other, recipe.forward, recipe, o_contract) if recipe.rowwise else other
+    q_o = _q(other, recipe.forward, recipe, o_contract, contracted_rows=True) if recipe.rowwise else other
     grads.append(lax.transpose(_scaled_dot(q_g, q_o, gemm, precision, np.dtype(dtype)), perm))
   return grads[0], grads[1]
 
@@ -381,11 +387,13 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: DotDimens
     preferred_element_type: the result dtype (default the operands' dtype);
       the gradients have the operands' dtype whatever it is.
     amaxes: ``(lhs amax, rhs amax)``, each ``None`` (reduce the operand, the
-      default) or a scalar known before the matmul, ``max|operand|`` (per
-      tensor; ignored with rowwise scaling): the quantisation reads it instead
-      of reducing the operand, so that under sharding the float8 cast runs on
-      each shard, before the gather (issue 44). It is rounded to the operand's
-      dtype and carries no gradient.
+      default) or known before the matmul: ``max|operand|``, a scalar (per
+      tensor), or with rowwise scaling the max over the operand's contracting
+      dimensions (its shape, with 1 on those). The quantisation reads it
+      instead of reducing the operand, so that under sharding the float8 cast
+      runs on each shard, before the gather (issue 44). It is rounded to the
+      operand's dtype and carries no gradient; the backward GEMMs reduce
+      their own operands.
 
   Returns:
     The product, of dtype ``preferred_element_type`` or the operands' dtype.
@@ -415,8 +423,7 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: DotDimens
                     f"{lhs.dtype.name} and {rhs.dtype.name}")
   out = np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
   dims = _dimension_numbers(dimension_numbers)
-  known = tuple(None if a is None or recipe.rowwise else lax.stop_gradient(jnp.asarray(a))
-                for a in amaxes)
+  known = tuple(None if a is None else lax.stop_gradient(jnp.asarray(a)) for a in amaxes)
   try:
     return _fp8_dot(lhs, rhs, known, dims, recipe, precision, out)
   except TypeError as e:

@@ -114,14 +114,39 @@ def known(amaxes: Union[Mapping[str, jax.Array], None]) -> contextlib.AbstractCo
   return _holding(_KNOWN, amaxes)
 
 
+def row_amaxes(needs: Sequence[tuple[str, tuple[int, ...]]],
+               leaf_of: Mapping[str, Any]) -> dict[Any, jax.Array]:
+  """``{(path, axes): max|leaf| over axes}`` (kept dims), for a rowwise recipe's weight operands.
+
+  A rowwise recipe scales an operand per row of its free dimensions: its
+  amax over the contracting ``axes``. For a weight that reaches its matmul in
+  its own layout (:func:`jmp_lite._src.fp8.plan.row_needs`) that is the
+  leaf's, taken here with the others at the top of the step.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> w = jnp.array([[1.0, -5.0], [-3.0, 2.0]])
+    >>> {k: v.tolist() for k, v in row_amaxes([("w", (0,))], {"w": w}).items()}
+    {('w', (0,)): [[3.0, 5.0]]}
+  """
+  found = {}
+  for path, axes in needs:
+    leaf = leaf_of.get(path)
+    if leaf is not None and _amax(leaf) is not None:
+      found[(path, axes)] = lax.stop_gradient(jnp.max(jnp.abs(leaf), axis=axes, keepdims=True))
+  return found
+
+
 def is_weight(path: Union[str, None]) -> bool:
   """Whether :func:`known` holds an amax for ``path``: a params leaf of two or more dims."""
   amaxes = _KNOWN.get()
   return path is not None and amaxes is not None and path in amaxes
 
 
-def amax_of(path: Union[str, None], operand: Any) -> Union[jax.Array, None]:
+def amax_of(path: Any, operand: Any) -> Union[jax.Array, None]:
   """The known amax of the leaf at ``path``, in ``operand``'s dtype, or ``None`` if none is known.
+
+  ``path`` is a params path (per tensor) or ``(path, axes)`` (:func:`row_amaxes`).
 
   Examples:
     >>> import jax.numpy as jnp
