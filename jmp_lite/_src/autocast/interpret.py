@@ -300,7 +300,7 @@ class _Evaluator:
     if not floats:  # Integers, bools, keys: untouched.
       outs = jaxpr_utils.bind(eqn, [self.concrete(x) for x in ins])
       return outs, [None] * len(outs)
-    own_rule = OP_RULES.get(name)
+    own_rule = OP_RULES.get(name)  # (applies, rule)
     if own_rule is not None and own_rule[0](eqn, self.cfg):  # Before the lists, as traced.
       outs = own_rule[1](eqn, [self.concrete(x) for x in ins], self.cfg)
       return outs, [None] * len(outs)

@@ -259,9 +259,11 @@ def _q(x: jax.Array, fmt: Any, recipe: Float8Recipe, contracting: Sequence[int],
   are per row already; only a backward operand whose rows the GEMM contracts
   (a weight gradient's) is reduced per group of them.
   """
-  n_groups = 1
-  if amax is None and (contracted_rows if recipe.rowwise else (contracted_rows or 0 not in contracting)):
-    n_groups = fp8_groups.groups_of(x) if 0 in contracting or not recipe.rowwise else 1
+  if recipe.rowwise:
+    grouped = contracted_rows and 0 in contracting
+  else:
+    grouped = contracted_rows or 0 not in contracting
+  n_groups = fp8_groups.groups_of(x) if amax is None and grouped else 1
   return _quantize(x, np.dtype(fmt), recipe.margin, recipe.power_of_two,
                    _contracting_axes(x.ndim, contracting, recipe), amax, groups=n_groups)
 

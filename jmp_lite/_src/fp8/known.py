@@ -36,9 +36,14 @@ _GIVEN: contextvars.ContextVar[Union[Mapping[str, jax.Array], None]] = contextva
     "jmp_lite_fp8_given_amaxes", default=None)
 
 
+def _is_matrix(leaf: Any) -> bool:
+  """Whether ``leaf`` is a floating array of two or more dims (a weight FP8 may multiply)."""
+  return hasattr(leaf, "dtype") and jnp.ndim(leaf) >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
 def _amax(leaf: Any) -> Any:
-  """``max|leaf|`` in its own dtype, no gradient, for a floating leaf of two or more dims; else ``None``."""
-  if not hasattr(leaf, "dtype") or jnp.ndim(leaf) < 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+  """``max|leaf|`` in its own dtype, no gradient, for a weight matrix; else ``None``."""
+  if not _is_matrix(leaf):
     return None
   return lax.stop_gradient(jnp.max(jnp.abs(leaf), initial=0))  # As fp8_dot._scale takes it.
 
@@ -103,9 +108,8 @@ def weight_amaxes(paths: Sequence[Union[str, None]], leaves: Sequence[Any]) -> d
   """
   found: dict[str, jax.Array] = {}
   for path, leaf in zip(paths, leaves):
-    amax = None if path is None else _amax(leaf)
-    if path is not None and amax is not None:
-      found[path] = amax
+    if path is not None and _is_matrix(leaf):
+      found[path] = _amax(leaf)
   return found
 
 
@@ -131,9 +135,8 @@ def row_amaxes(needs: Sequence[tuple[str, tuple[int, ...]]],
   """
   found = {}
   for path, axes in needs:
-    leaf = leaf_of.get(path)
-    if leaf is not None and _amax(leaf) is not None:
-      found[(path, axes)] = lax.stop_gradient(jnp.max(jnp.abs(leaf), axis=axes, keepdims=True))
+    if path in leaf_of and _is_matrix(leaf_of[path]):
+      found[(path, axes)] = lax.stop_gradient(jnp.max(jnp.abs(leaf_of[path]), axis=axes, keepdims=True))
   return found
 
 

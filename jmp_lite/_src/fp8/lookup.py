@@ -91,24 +91,21 @@ def fp8_lookup(table: jax.Array, indices: jax.Array, gather: Any, recipe: Float8
   def lookup(table: jax.Array, indices: jax.Array) -> jax.Array:
     return gather(table, indices)
 
-  def forward(table: jax.Array, indices: jax.Array) -> tuple[jax.Array, Any]:
-    return gather(table, indices), (indices, jnp.zeros((0,), table.dtype))
+  def forward(table: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return gather(table, indices), indices
 
-  def backward(saved: Any, g: jax.Array) -> tuple[jax.Array, None]:
-    indices, like = saved
+  def backward(indices: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
     n_groups = fp8_groups.groups_of(g) if g.ndim else 1
     axes = tuple(range(g.ndim))
     q, s = fp8_dot._quantize(g, np.dtype(recipe.backward), recipe.margin, recipe.power_of_two,
                              axes, groups=n_groups)
     if n_groups > 1:
       q, s = _on_the_wire(q, s)
-    rows = fp8_groups.rows(s, 0, g.shape[0]) if g.ndim else s
-    dequantised = (q.astype(s.dtype) * rows).astype(g.dtype)
+    dequantised = fp8_dot.dequantize(q, fp8_groups.rows(s, 0, g.shape[0]) if g.ndim else s, g.dtype)
     if n_groups > 1:  # Dequantised where it arrived, not per shard and gathered again wider.
       dequantised = _everywhere(dequantised, jax.typeof(g).sharding.mesh)
-    _, pull = jax.vjp(lambda t: gather(t, indices), jnp.zeros(table_shape, like.dtype))
+    _, pull = jax.vjp(lambda t: gather(t, indices), jnp.zeros(table.shape, table.dtype))
     return pull(dequantised)[0], None
 
-  table_shape = table.shape
   lookup.defvjp(forward, backward)
   return lookup(table, indices)

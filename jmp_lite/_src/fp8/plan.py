@@ -234,11 +234,14 @@ def exact_sources(eqn: Any) -> tuple[Union[str, None], Union[str, None]]:
   trace a higher-order equation's body on its own (a nested jit, cached),
   where a value taken outside it would be a constant of another trace.
   """
-  p = _ACTIVE.get()
-  if p is None or _SITE.get():
-    return (None, None)
-  m = p.matmuls.get(_SITE.get() + (id(eqn),))
+  m = _top_level(eqn)
   return (None, None) if m is None else m.exact
+
+
+def _top_level(eqn: Any) -> Union[Matmul, None]:
+  """``eqn``'s :class:`Matmul` in the active plan, if it is at the top level (see :func:`exact_sources`)."""
+  p = _ACTIVE.get()
+  return None if p is None or _SITE.get() else p.matmuls.get((id(eqn),))
 
 
 def lookup_source(eqn: Any) -> Union[str, None]:
@@ -251,10 +254,7 @@ def lookup_source(eqn: Any) -> Union[str, None]:
 
 def exact_rows(eqn: Any) -> tuple[Union[tuple[int, ...], None], Union[tuple[int, ...], None]]:
   """Where :func:`exact_sources` names a leaf in its own layout, the operand's contracting axes."""
-  p = _ACTIVE.get()
-  if p is None or _SITE.get():
-    return (None, None)
-  m = p.matmuls.get(_SITE.get() + (id(eqn),))
+  m = _top_level(eqn)
   return (None, None) if m is None else m.rows
 
 

@@ -146,7 +146,7 @@ def _walk(jaxpr: Any, sources: list[_Src], found: Found, site: tuple[int, ...] =
           lookups: Union[Lookups, None] = None) -> list[_Src]:
   """Adds the matmuls of ``jaxpr`` (nested at ``site``) to ``found``; the sources of its outputs.
 
-  Row lookups of a leaf's values at the top level go to ``lookups``.
+  Row lookups of a leaf's values (outside loop and ``shard_map`` bodies) go to ``lookups``.
   """
   env: dict[Any, _Src] = dict(zip(jaxpr.invars, sources))
 
