@@ -295,17 +295,17 @@ def make_variant(name: str, problem: models.Problem) -> Variant:
     fp8_recipes = {"bf16_fp8": jmp_lite.Float8Recipe(min_size=0),
                    "bf16_fp8_rowwise": jmp_lite.Float8Recipe(min_size=0, scaling="rowwise"),
                    "bf16_fp8_amaxes": jmp_lite.Float8Recipe(min_size=0)}
-    lean: dict[str, Any] = {}
+    create_options: dict[str, Any] = {}  # TrainState.create's, beyond params and tx.
     if name == "bf16_lean":
-      lean = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(0))
-    if name == "bf16_fp8_amaxes":
-      lean = dict(weight_amaxes=True)
+      create_options = dict(master_dtype=jnp.bfloat16, rounding="stochastic", key=jax.random.key(0))
+    elif name == "bf16_fp8_amaxes":
+      create_options = dict(weight_amaxes=True)
     return Variant(
         name,
         # Jitted, donates the state.
         jmp_lite.make_train_step(problem.loss_fn, policy, autocast="autocast" in name or "fp8" in name,
                                  fp8=fp8_recipes.get(name)),
-        lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=lib_tx, **lean),
+        lambda: jmp_lite.TrainState.create(params=copy_tree(params), tx=lib_tx, **create_options),
         lambda s: jmp_lite.loss_scale_of(s.opt_state),
     )
   if name in ("jmp_dynamic", "flax_dynamic"):
