@@ -13,7 +13,7 @@ install: ``jmp`` is not needed). It measures, in this order:
    hand-written f16 step without scaling, and the host-sync check
    (``dispatch_fraction``);
 4. the quantised optimizer state (``jmp.quantize_state(optax.adamw(...),
-   format="int8")``) against ``optax.adamw``: only where this jmp_lite has
+   format=...)``, int8 and int4) against ``optax.adamw``: only where this jmp_lite has
    ``quantize_state``, otherwise the item says so and is skipped;
 5. autocast against the policy (bf16 and f16).
 
@@ -94,8 +94,9 @@ ITEMS = (
     Item("skip_overhead", "the skip's overhead: f16 + dynamic scaling vs f16 without scaling",
          "transformer", ("f16_dynamic", "f16_noscale"),
          (("overhead", "f16_dynamic", "f16_noscale"),), 50),
-    Item("quantized_state", "int8 optimizer state (jmp.quantize_state) vs optax.adamw",
-         "transformer", ("adamw", "adamw_int8"), (("int8_vs_adamw", "adamw_int8", "adamw"),), 50),
+    Item("quantized_state", "int8 and int4 optimizer state (jmp.quantize_state) vs optax.adamw",
+         "transformer", ("adamw", "adamw_int8", "adamw_int4"),
+         (("int8_vs_adamw", "adamw_int8", "adamw"), ("int4_vs_adamw", "adamw_int4", "adamw")), 70),
     Item("autocast_vs_policy", "autocast vs the policy alone, bf16 and f16", "transformer",
          ("bf16", "bf16_autocast", "f16_dynamic", "f16_autocast"),
          (("bf16_autocast_vs_bf16", "bf16_autocast", "bf16"),
@@ -118,14 +119,15 @@ SMOKE_SETTINGS = Settings("smoke", repeats=2, warmup=1, sample_s=0.005)
 
 
 def quantized_variants(problem: models.Problem) -> list[variants_lib.Variant]:
-  """The ``adamw`` and ``adamw_int8`` steps (bf16 policy); needs ``jmp.quantize_state``."""
+  """The ``adamw``, ``adamw_int8`` and ``adamw_int4`` steps (bf16 policy); needs ``jmp.quantize_state``."""
   import optax  # pylint: disable=import-outside-toplevel
   import jmp_lite as jmp  # pylint: disable=import-outside-toplevel
 
   policy = jmp.get_policy("mixed_bfloat16")
   adamw = optax.adamw(variants_lib.LEARNING_RATE)
   found = []
-  for name, tx in (("adamw", adamw), ("adamw_int8", jmp.quantize_state(adamw, format="int8"))):
+  coded = {f"adamw_{fmt}": jmp.quantize_state(adamw, format=fmt) for fmt in ("int8", "int4")}
+  for name, tx in (("adamw", adamw), *coded.items()):
     init = _fresh_state(jmp.TrainState.create, problem.params, tx)
     found.append(variants_lib.Variant(name, jmp.make_train_step(problem.loss_fn, policy), init))
   return found

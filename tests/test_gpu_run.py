@@ -82,20 +82,16 @@ def test_results_are_written_after_each_item_and_a_failure_does_not_stop_the_run
   assert written == [expected[:k] for k in range(1, len(NAMES) + 1)]
 
 
-def test_the_quantized_state_item_lights_up_when_jmp_has_quantize_state(monkeypatch):
-  """Until the int8 state lands, a stand-in with its signature runs the item's code path."""
-  calls = []
-
-  def quantize_state(tx, format):  # noqa: A002 - the planned keyword
-    calls.append(format)
-    return tx
-
-  monkeypatch.setattr(jmp_lite, "quantize_state", quantize_state, raising=False)
+def test_the_quantized_state_item_times_int8_and_int4_against_adamw():
   item = next(i for i in gpu_run.ITEMS if i.name == "quantized_state")
   r = gpu_run.run_item(item, gpu_run.SMOKE_SETTINGS, on_gpu=False)
-  assert r["status"] == "done" and calls == ["int8"]
-  assert sorted(r["variants"]) == ["adamw", "adamw_int8"]
-  assert math.isfinite(r["ratios"]["int8_vs_adamw"])
+  assert r["status"] == "done"
+  assert sorted(r["variants"]) == ["adamw", "adamw_int4", "adamw_int8"]
+  for key in ("int8_vs_adamw", "int4_vs_adamw"):
+    assert math.isfinite(r["ratios"][key]) and r["ratios"][key] > 0
+  # The coded variants persist less than adamw's float32 moments.
+  state_bytes = {n: v["memory_bytes"]["argument"] for n, v in r["variants"].items()}
+  assert state_bytes["adamw_int4"] < state_bytes["adamw_int8"] < state_bytes["adamw"]
 
 
 def test_without_quantize_state_the_item_is_skipped_with_the_reason(monkeypatch):
