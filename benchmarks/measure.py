@@ -261,6 +261,21 @@ def dispatch_fraction(live: Live, batch: Any, steps: int = DISPATCH_STEPS) -> di
   return dict(steps=steps, dispatch_s=t1 - t0, total_s=t2 - t0, fraction=(t1 - t0) / (t2 - t0))
 
 
+def steps_ahead(dispatch: dict[str, Any]) -> float:
+  """How many steps the host ran ahead of the device, from :func:`dispatch_fraction`'s record.
+
+  The loop of ``steps`` calls ends ``total_s - dispatch_s`` before the device
+  does, that is ``steps * (1 - fraction)`` steps early. A runtime that queues a
+  bounded number of steps holds it near that bound; a step whose host waits for
+  the device each time holds it below 1.
+
+  Examples:
+    >>> round(steps_ahead(dict(steps=100, dispatch_s=0.75, total_s=1.0, fraction=0.75)), 6)
+    25.0
+  """
+  return dispatch["steps"] * (1.0 - dispatch["fraction"])
+
+
 def finish_record(live: Live) -> dict[str, Any]:
   """Adds the timings and the loss scale after timing to ``live.record``.
 
@@ -346,9 +361,12 @@ def ratios(records: dict[str, dict[str, Any]], times: dict[str, list[float]]) ->
   time_ratio("autocast_vs_dynamic", "f16_autocast", "f16_dynamic")
   time_ratio("fp8_vs_bf16_autocast", "bf16_fp8", "bf16_autocast")  # A GPU bar only.
   time_ratio("bf16_vs_fp32_highest", "bf16", "fp32_highest")
-  dispatch = records.get("f16_dynamic", {}).get("dispatch")
-  if dispatch is not None:
-    out["dispatch_fraction"] = dispatch["fraction"]
+  dispatch = {n: records.get(n, {}).get("dispatch") for n in ("f16_dynamic", "f16_noscale")}
+  if dispatch["f16_dynamic"] is not None:
+    out["dispatch_fraction"] = dispatch["f16_dynamic"]["fraction"]
+    if dispatch["f16_noscale"] is not None:
+      out["dispatch_ahead"] = steps_ahead(dispatch["f16_noscale"]) / max(
+          steps_ahead(dispatch["f16_dynamic"]), 1e-9)
   return out
 
 

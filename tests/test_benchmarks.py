@@ -338,13 +338,13 @@ def test_fp8_speedup_is_a_gpu_bar_on_the_transformers_only():
 
 
 def test_gpu_bars_add_the_skip_overhead_and_the_host_sync_check():
-  ratios = {"overhead": 1.025, "dispatch_fraction": 0.97, "vs_flax": 0.9}
+  ratios = {"overhead": 1.025, "dispatch_fraction": 0.97, "dispatch_ahead": 7.0, "vs_flax": 0.9}
   cpu = {(b["bar"], b["limit"]) for b in bars_lib.check_bars("mlp", ratios, on_gpu=False)}
   assert cpu == {("overhead", 1.03), ("vs_flax", 1.0)}
   gpu = {(b["bar"], b["limit"], b["scope"], b["passed"])
          for b in bars_lib.check_bars("mlp", ratios, on_gpu=True)}
   assert gpu == {("overhead", 1.03, "cpu", True), ("vs_flax", 1.0, "cpu", True),
-                 ("overhead", 1.02, "gpu", False), ("dispatch_fraction", 0.5, "gpu", False)}
+                 ("overhead", 1.02, "gpu", False), ("dispatch_ahead", 2.0, "gpu", False)}
 
 
 def test_dispatch_fraction_is_measured_per_variant_where_the_gpu_bars_apply():
@@ -357,8 +357,11 @@ def test_dispatch_fraction_is_measured_per_variant_where_the_gpu_bars_apply():
     d = v["dispatch"]
     assert d["steps"] == measure.DISPATCH_STEPS and 0 < d["dispatch_s"] <= d["total_s"]
     assert d["fraction"] == d["dispatch_s"] / d["total_s"]
-  assert result["ratios"]["dispatch_fraction"] == result["variants"]["f16_dynamic"]["dispatch"]["fraction"]
-  assert {b["bar"] for b in result["bars"] if b["scope"] == "gpu"} == {"overhead", "dispatch_fraction"}
+  d = {n: v["dispatch"] for n, v in result["variants"].items()}
+  assert result["ratios"]["dispatch_fraction"] == d["f16_dynamic"]["fraction"]
+  assert result["ratios"]["dispatch_ahead"] == pytest.approx(
+      measure.steps_ahead(d["f16_noscale"]) / measure.steps_ahead(d["f16_dynamic"]))
+  assert {b["bar"] for b in result["bars"] if b["scope"] == "gpu"} == {"overhead", "dispatch_ahead"}
   assert result["variants"]["f16_dynamic"]["skipped_during_timing"] is False
 
 
