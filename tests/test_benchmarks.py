@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -550,3 +551,21 @@ def test_residuals_help_lists_the_variants_and_models(capsys):
   text = capsys.readouterr().out
   assert "(default: all)" in text and all(n in text for n in (*residuals.VARIANTS,
                                                                *residuals.MODELS))
+
+
+def test_the_skip_study_adds_pieces_without_changing_the_update():
+  from benchmarks.studies import skip_gpu  # pylint: disable=import-outside-toplevel
+
+  problem = models.build_problem("mlp", "smoke")
+  results = {}
+  for name in ("f16_noscale", *skip_gpu.PIECES):
+    v = skip_gpu.variant(name, problem)
+    (params, _), loss = v.fn(v.init(), problem.batch)
+    results[name] = (params, float(loss))
+  for name in skip_gpu.PIECES:
+    chex.assert_trees_all_equal(results[name][0], results["f16_noscale"][0])
+    assert results[name][1] == pytest.approx(results["f16_noscale"][1])
+  bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), problem.params)
+  assert not bool(jnp.isfinite(skip_gpu.sumsq_of(bad, concat=True)))
+  assert float(skip_gpu.sumsq_of(problem.params, concat=True)) == pytest.approx(
+      float(skip_gpu.sumsq_of(problem.params, concat=False)), rel=1e-5)
