@@ -121,26 +121,14 @@ def _elementwise_from(jaxpr: Any, sources: Sequence[frozenset[int]]) -> list[fro
   return [label(v) for v in jaxpr.outvars]
 
 
-def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] | None:
-  """For each leaf of ``state``: whether ``update`` keeps it as a running value of itself.
+def _update_jaxpr(update: Callable[..., Any], state: Any, params: Any) -> tuple[Any, list[int]] | None:
+  """``update``'s new state as a jaxpr of the state's array leaves, traced with zero gradients.
 
-  ``update(grads, state, params)`` is traced with zero gradients; a leaf is
-  a running value (a moving average, a momentum, an accumulator) when its
-  new value reaches its old one through element-wise arithmetic (see
-  :func:`_elementwise_from`). A leaf the update overwrites (L-BFGS's last
-  params and gradient) or rebuilds through a loop or a reduction (a line
-  search's memory) is not one. When the update needs extra arguments, the
-  keywords of optax's value-and-gradient protocol (``value``, ``grad``,
-  ``value_fn``) are given stand-ins; ``None`` if it still cannot be traced.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> params = {"w": jnp.ones(3)}
-    >>> averages(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)  # count, mu, nu
-    [True, True, True]
-    >>> lbfgs = optax.lbfgs()
-    >>> averages(lbfgs.update, lbfgs.init(params), params)[1:3]  # its last params and gradient
-    [False, False]
+  Returns ``(closed jaxpr, where)``: ``where[k]`` is the state leaf of the
+  jaxpr's input ``k``. When the update needs extra arguments, the keywords of
+  optax's value-and-gradient protocol (``value``, ``grad``, ``value_fn``) are
+  given stand-ins; ``None`` if it still cannot be traced, or if it changes the
+  state's structure.
   """
   traced, spec = filtering.partition(state)
   where = [i for i, x in enumerate(traced) if x is not None]
@@ -164,9 +152,96 @@ def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] 
       continue
     if len(jax.tree.leaves(shapes)) != len(traced):  # the update changed the structure
       return None
-    reached = _elementwise_from(closed.jaxpr, [frozenset({i}) for i in where])
-    return [i in r for i, r in enumerate(reached)]
+    return closed, where
   return None
+
+
+def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] | None:
+  """For each leaf of ``state``: whether ``update`` keeps it as a running value of itself.
+
+  ``update(grads, state, params)`` is traced with zero gradients
+  (:func:`_update_jaxpr`); a leaf is a running value (a moving average, a
+  momentum, an accumulator) when its new value reaches its old one through
+  element-wise arithmetic (see :func:`_elementwise_from`). A leaf the update
+  overwrites (L-BFGS's last params and gradient) or rebuilds through a loop
+  or a reduction (a line search's memory) is not one. ``None`` if the update
+  cannot be traced.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.ones(3)}
+    >>> averages(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)  # count, mu, nu
+    [True, True, True]
+    >>> lbfgs = optax.lbfgs()
+    >>> averages(lbfgs.update, lbfgs.init(params), params)[1:3]  # its last params and gradient
+    [False, False]
+  """
+  found = _update_jaxpr(update, state, params)
+  if found is None:
+    return None
+  closed, where = found
+  reached = _elementwise_from(closed.jaxpr, [frozenset({i}) for i in where])
+  return [i in r for i, r in enumerate(reached)]
+
+
+# Where a zero would make an update divide by (almost) nothing: each primitive's operands
+# in that place (a divisor, what a reciprocal root or a log is taken of).
+_ZERO_HAZARDS = {"div": (1,), "rem": (1,), "rsqrt": (0,), "log": (0,), "pow": (0,)}
+
+
+def _divisor_labels(jaxpr: Any, sources: Sequence[frozenset[int]]) -> frozenset[int]:
+  """The labels of ``jaxpr``'s inputs whose data reaches a place of :data:`_ZERO_HAZARDS`.
+
+  Data is followed through every primitive and into nested ``jit``,
+  ``custom_jvp`` and ``cond`` bodies; any other higher-order primitive
+  (``scan``, ``while``) is taken to divide by each of its operands, so that
+  a doubt keeps a leaf from coding 0.
+  """
+  labels: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources))
+  found: set[int] = set()
+
+  def label(v: Any) -> frozenset[int]:
+    return labels.get(v, frozenset()) if isinstance(v, jex_core.Var) else frozenset()
+
+  for eqn in jaxpr.eqns:
+    ins = [label(v) for v in eqn.invars]
+    if not any(ins):
+      continue
+    name, subs = eqn.primitive.name, list(jaxpr_utils.subjaxprs(eqn))
+    union = frozenset().union(*ins)
+    if name == "cond":
+      found.update(*(_divisor_labels(b, ins[1:]) for b in subs))
+    elif name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins):
+      found.update(_divisor_labels(subs[0], ins))
+    elif subs:
+      found.update(union)
+    else:
+      found.update(*(ins[k] for k in _ZERO_HAZARDS.get(name, ()) if k < len(ins)))
+    labels.update((v, union) for v in eqn.outvars)
+  return frozenset(found)
+
+
+def divisors(update: Callable[..., Any], state: Any, params: Any) -> list[bool] | None:
+  """For each leaf of ``state``: whether ``update`` divides by it (or a function of it).
+
+  Adam's ``nu`` (under ``sqrt`` in the step's denominator) is one, and so is
+  its count (the bias correction divides by ``1 - b**count``); its ``mu``
+  (the numerator) is not. A coded leaf that is one must never decode to 0
+  from a non-zero value: the update would divide by ``eps``. ``None`` if the
+  update cannot be traced.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.ones(3)}
+    >>> divisors(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)  # count, mu, nu
+    [True, False, True]
+  """
+  found = _update_jaxpr(update, state, params)
+  if found is None:
+    return None
+  closed, where = found
+  hit = _divisor_labels(closed.jaxpr, [frozenset({i}) for i in where])
+  return [i in hit for i in range(len(filtering.partition(state)[0]))]
 
 
 def refine(state_kinds: list[str], running: list[bool] | None) -> list[str]:

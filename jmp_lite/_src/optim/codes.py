@@ -99,20 +99,25 @@ _E4M3_MAX = 448.0
 _U24 = 2.0**-24  # Uniform draws in [0, 1) from the hash's top 24 bits.
 
 # The non-negative code (see the module docstring): the decoded sqrt(v / a) of
-# code q is min(q / 255, B(q), A(q)), where B and A read an integer affine in q
-# as float32 bits: B steps 2**20 (3 mantissa bits, 8 codes an octave) and
-# meets the line at code _TOP_FROM; A steps 2**21 (2 bits, 4 codes an octave)
-# and meets B at code _MID_FROM.
+# code q is min(L(q), B(q), A(q)). L is the line (q + _LINE_C) / (255 +
+# _LINE_C), 1 at code 255; B and A read an integer affine in q as float32 bits:
+# B steps 2**18 (5 mantissa bits, 32 codes an octave) and meets the line at
+# code _TOP_FROM; A steps 2**19 (4 bits, 16 codes an octave) and meets B at
+# code _MID_FROM. _LINE_C lifts the line above A at the lowest codes, where
+# q / 255 would have been the smallest piece (steps of 2x and 1.5x).
 _TOP_FROM = 120
-_MID_FROM = 88
+_MID_FROM = 70
+_LINE_C = 1.25
+_B_SHIFT = 18  # 23 - B's mantissa bits
+_A_SHIFT = 19  # 23 - A's mantissa bits
 
 
 def _f32_bits(x: float) -> int:
   return int(np.array(x, np.float32).view(np.int32))
 
 
-_B_OFFSET = _f32_bits(_TOP_FROM / 255.0) - (_TOP_FROM << 20)
-_A_OFFSET = _B_OFFSET + (_MID_FROM << 20) - (_MID_FROM << 21)
+_B_OFFSET = _f32_bits((_TOP_FROM + _LINE_C) / (255.0 + _LINE_C)) - (_TOP_FROM << _B_SHIFT)
+_A_OFFSET = _B_OFFSET + (_MID_FROM << _B_SHIFT) - (_MID_FROM << _A_SHIFT)
 
 
 def _as_f32(i: jax.Array) -> jax.Array:
@@ -126,9 +131,9 @@ def _root_of_code(q: jax.Array) -> jax.Array:
   in each fusion that reads the decoded state (the block's maximum and the
   new codes), where it keeps a costlier one in a float32 buffer of the leaf.
   """
-  line = q.astype(jnp.float32) * (1.0 / 255.0)
-  mid = _as_f32(q * (1 << 20) + _B_OFFSET)
-  low = _as_f32(q * (1 << 21) + _A_OFFSET)
+  line = (q + _LINE_C * jnp.minimum(q, 1)).astype(jnp.float32) * (1.0 / (255.0 + _LINE_C))
+  mid = _as_f32(q * (1 << _B_SHIFT) + _B_OFFSET)
+  low = _as_f32(q * (1 << _A_SHIFT) + _A_OFFSET)
   return jnp.minimum(line, jnp.minimum(mid, low))
 
 
@@ -140,16 +145,19 @@ def _pick(lo: jax.Array, below: jax.Array, above: jax.Array, x: jax.Array,
   return lo + (u < p).astype(lo.dtype)
 
 
-def _encode_non_negative(y: jax.Array, u: jax.Array) -> jax.Array:
-  """Codes (int32 in ``[0, 255]``) of ``y = v / a`` in ``[0, 1]``, unbiased in ``y``; ``y > 0`` never codes 0."""
+def _encode_non_negative(y: jax.Array, u: jax.Array, never_zero: bool) -> jax.Array:
+  """Codes (int32 in ``[0, 255]``) of ``y = v / a`` in ``[0, 1]``, unbiased in ``y``.
+
+  With ``never_zero``, ``y > 0`` under code 1 rounds up to it instead.
+  """
   s = jnp.sqrt(y)
   s_bits = jax.lax.bitcast_convert_type(s, jnp.int32)
-  lo = jnp.maximum(jnp.floor(s * 255.0).astype(jnp.int32),
-                   jnp.maximum((s_bits - _B_OFFSET) >> 20, (s_bits - _A_OFFSET) >> 21))
+  lo = jnp.maximum(jnp.floor(s * (255.0 + _LINE_C) - _LINE_C).astype(jnp.int32),
+                   jnp.maximum((s_bits - _B_OFFSET) >> _B_SHIFT, (s_bits - _A_OFFSET) >> _A_SHIFT))
   lo = jnp.clip(lo, 0, 254)
   below, above = _root_of_code(lo) ** 2, _root_of_code(lo + 1) ** 2
   q = _pick(lo, below, above, y, u)
-  return jnp.where(y > 0, jnp.maximum(q, 1), 0)
+  return jnp.where(y > 0, jnp.maximum(q, 1), 0) if never_zero else q
 
 
 def _encode_companded(y: jax.Array, u: jax.Array) -> jax.Array:
@@ -180,7 +188,8 @@ def _signed_to_bits(codes: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(codes, jnp.uint8)
 
 
-def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def encode(x: jax.Array, fmt: str, bits: jax.Array,
+           never_zero: bool = True) -> tuple[jax.Array, jax.Array]:
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
   Args:
@@ -189,6 +198,9 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Arra
       ``"int4"``: the 4-bit codes of :mod:`jmp_lite._src.optim.codes4`.
     bits: uniform ``uint32`` draws of ``x``'s shape (``masters.hashed_bits``),
       fresh at each encode.
+    never_zero: a non-zero value of a non-negative block never codes 0 (for a
+      leaf the update divides by); otherwise one under the smallest code rounds
+      to it or to 0 without bias.
 
   Returns:
     ``(codes, scales)``: uint8 codes of ``x``'s shape (for ``"int4"``, two a
@@ -205,7 +217,7 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array) -> tuple[jax.Array, jax.Arra
     codes = codes4.encode(y, signed, u)
   else:
     signed_code = _encode_e4m3 if fmt == "float8" else _encode_companded
-    non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u).astype(jnp.uint8)
+    non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u, never_zero).astype(jnp.uint8)
     codes = jnp.where(signed, _signed_to_bits(signed_code(y, u)), non_negative)
   return codes, jnp.where(signed, -a, a)[..., 0]
 

@@ -73,6 +73,11 @@ class QuantizedArray:
     dtype: the leaf's dtype (what decoding returns).
     format: ``"int8"``, ``"float8"`` or ``"int4"``.
     block_size: elements per block.
+    never_zero: a non-zero value of a non-negative block never codes 0 (it
+      rounds up to the smallest code): set for a leaf the update divides by
+      (``classify.divisors``), such as Adam's ``nu``. Otherwise a value under
+      the smallest code rounds to it or to 0 without bias, so that a
+      decaying momentum reaches 0.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -93,6 +98,7 @@ class QuantizedArray:
   dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
   format: str = dataclasses.field(metadata=dict(static=True))
   block_size: int = dataclasses.field(metadata=dict(static=True))
+  never_zero: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   def dequantize(self) -> jax.Array:
     """The leaf in its own dtype and shape."""
@@ -158,11 +164,11 @@ def dither(shape: tuple[int, ...], leaf: int, count: jax.Array) -> jax.Array:
 
 
 def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
-             count: jax.Array) -> QuantizedArray:
+             count: jax.Array, never_zero: bool = True) -> QuantizedArray:
   """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype).
 
   The stochastic rounding draws from :func:`dither` of coded leaf number
-  ``leaf`` at update ``count``.
+  ``leaf`` at update ``count``; ``never_zero`` as :class:`QuantizedArray`'s.
   """
   shape = tuple(x.shape)
   blocks = _blocked_shape(shape, block_size)
@@ -174,12 +180,14 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
             else blocks[:-1] + (block_size // per_byte,))
   if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
     return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
-                          shape, np.dtype(x.dtype), fmt, block_size)
+                          shape, np.dtype(x.dtype), fmt, block_size, never_zero)
   flat = x.astype(jnp.float32)
   if not along_last:
     flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
-  codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count))
-  return QuantizedArray(codes.reshape(stored), scales, shape, np.dtype(x.dtype), fmt, block_size)
+  codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count),
+                                   never_zero)
+  return QuantizedArray(codes.reshape(stored), scales, shape, np.dtype(x.dtype), fmt, block_size,
+                        never_zero)
 
 
 def _zeros_on_one_device(x: jax.Array) -> bool:
@@ -233,7 +241,7 @@ def _requantize(old: Any, new: Any, count: jax.Array) -> Any:
   out, coded = [], 0
   for o, n in zip(flat_old, flat_new):
     if _is_quantized(o):
-      q = quantize(n.astype(o.dtype), o.format, o.block_size, coded, count)
+      q = quantize(n.astype(o.dtype), o.format, o.block_size, coded, count, o.never_zero)
       wrap = _unwrapped(o.codes)[1]  # codes and scales in flax Variables where they were
       n = dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
       coded += 1
@@ -401,6 +409,8 @@ def quantize_state(
     kinds = classify.refine(
         classify.kinds(inner_tx.init, params, len(flat), "the inner transformation"),
         classify.averages(inner_tx.update, state, params))
+    # A leaf the update divides by never codes 0; None (untraceable): none may.
+    divides = classify.divisors(inner_tx.update, state, params) or [True] * len(flat)
     if keep_state:
       policy_lib.warn_unmatched(keep_state, [(tree_utils.path_str(p), x) for p, x in flat
                                              if tree_utils.is_floating_array(x)],
@@ -409,8 +419,8 @@ def quantize_state(
     coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
     count = jnp.zeros((), jnp.int32)
     marked = [  # Placeholders, which _requantize codes in its order.
-        QuantizedArray(x, x, tuple(x.shape), np.dtype(x.dtype), fmt, block_size) if c else x
-        for (_, x), c in zip(flat, coded)]
+        QuantizedArray(x, x, tuple(x.shape), np.dtype(x.dtype), fmt, block_size, d) if c else x
+        for (_, x), c, d in zip(flat, coded, divides)]
     inner = _requantize(jax.tree.unflatten(treedef, marked), state, count)
     return QuantizedState(_codes_in_variables(inner), count)
 
