@@ -346,6 +346,44 @@ def test_the_non_negative_code():
   assert float(steps[-1]) < 1.004  # the top of the block, where drift is made
 
 
+DIVISORS = {  # optimizer -> its coded leaves' never_zero, read from its update's jaxpr
+    "adam": (lambda: optax.adam(1e-3), {"mu": False, "nu": True}),
+    "sgd_momentum": (lambda: optax.sgd(0.1, momentum=0.9), {"trace": False}),
+    "adadelta": (lambda: optax.adadelta(1.0), {"e_g": True, "e_x": False}),  # sqrt(e_x)/sqrt(e_g)
+    "lion": (lambda: optax.lion(1e-3), {"mu": False}),
+    "sm3": (lambda: optax.sm3(0.1, momentum=0.9), {"nu": False}),  # its nu is a momentum
+    "adan": (lambda: optax.adan(1e-2), {"m": False, "v": False, "n": True}),
+    "adagrad": (lambda: optax.adagrad(1e-2), {"sum_of_squares": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(DIVISORS))
+def test_only_the_leaves_an_update_divides_by_never_code_zero(name):
+  make, expected = DIVISORS[name]
+  state = jmp.quantize_state(make(), min_size=0).init({"w": jnp.ones((4, 256))})
+  found = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda x: isinstance(x, jmp.QuantizedArray))[0]:
+    if isinstance(leaf, jmp.QuantizedArray):
+      found[getattr(path[-2], "name", None)] = leaf.never_zero
+  assert found == expected
+
+
+def test_a_value_under_the_smallest_code_rounds_to_zero_only_where_nothing_divides_by_it():
+  smallest = float(codes_lib._root_of_code(jnp.int32(1))) ** 2
+  x = jnp.zeros((2, 256)).at[:, 0].set(1.0).at[:, 1:].set(0.25 * smallest)
+  draws = jnp.arange(256, dtype=jnp.int32)
+  for never_zero in (True, False):
+    decoded = jax.lax.map(
+        lambda s: quantize_lib.quantize(x, "int8", 256, 0, s, never_zero).dequantize()[:, 1:],
+        draws)
+    if never_zero:  # rounds up to code 1: larger, never 0
+      np.testing.assert_allclose(np.asarray(decoded), smallest, rtol=1e-5)
+    else:  # code 1 a quarter of the time: 0 on average... within the noise of 256 draws
+      assert 0.5 < float(jnp.mean(decoded == 0)) / 0.75 < 1.5
+      assert float(jnp.mean(decoded)) == pytest.approx(0.25 * smallest, rel=0.1)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_stays_zero_and_non_negative_v_never_decodes_to_zero(fmt):
   x = jnp.zeros((2, 256)).at[0, :128].set(jnp.logspace(0, -16, 128)).at[1, 0].set(-1.0)

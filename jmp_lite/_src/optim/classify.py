@@ -84,6 +84,28 @@ def _depends(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
   return [isinstance(v, jex_core.Var) and v in dep for v in jaxpr.outvars]
 
 
+def _walk(jaxpr: Any, sources: Sequence[frozenset[int]],
+          step: Callable[[Any, list[frozenset[int]], str, list[Any]], list[frozenset[int]] | None],
+          ) -> list[frozenset[int]]:
+  """Labels carried through ``jaxpr``: the label of each of its outputs.
+
+  ``sources[i]`` labels input ``i`` (a set of leaf numbers). Each equation
+  with a labelled operand is given to ``step(eqn, operand labels, primitive
+  name, sub-jaxprs)``, which returns its outputs' labels (or None: none).
+  """
+  labels: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources))
+
+  def label(v: Any) -> frozenset[int]:
+    return labels.get(v, frozenset()) if isinstance(v, jex_core.Var) else frozenset()
+
+  for eqn in jaxpr.eqns:
+    ins = [label(v) for v in eqn.invars]
+    if any(ins):
+      outs = step(eqn, ins, eqn.primitive.name, list(jaxpr_utils.subjaxprs(eqn)))
+      labels.update((v, o) for v, o in zip(eqn.outvars, outs or ()) if o)
+  return [label(v) for v in jaxpr.outvars]
+
+
 def _elementwise_from(jaxpr: Any, sources: Sequence[frozenset[int]]) -> list[frozenset[int]]:
   """For each output of ``jaxpr``: the inputs it reaches through element-wise steps only.
 
@@ -95,30 +117,22 @@ def _elementwise_from(jaxpr: Any, sources: Sequence[frozenset[int]]) -> list[fro
   ``cond``'s outputs take the union over its branches); any other
   higher-order primitive cuts the chain.
   """
-  labels: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources))
 
-  def label(v: Any) -> frozenset[int]:
-    return labels.get(v, frozenset()) if isinstance(v, jex_core.Var) else frozenset()
-
-  for eqn in jaxpr.eqns:
-    ins = [label(v) for v in eqn.invars]
-    if not any(ins):
-      continue
-    name, subs = eqn.primitive.name, list(jaxpr_utils.subjaxprs(eqn))
+  def step(eqn: Any, ins: list[frozenset[int]], name: str,
+           subs: list[Any]) -> list[frozenset[int]] | None:
     if name in _ELEMENTWISE and len(eqn.outvars) == 1:
       shape = getattr(eqn.outvars[0].aval, "shape", None)
-      outs = [frozenset().union(*(l for v, l in zip(eqn.invars, ins)
+      return [frozenset().union(*(l for v, l in zip(eqn.invars, ins)
                                   if getattr(v.aval, "shape", None) == shape))]
-    elif name == "cond":  # operands follow the branch index
+    if name == "cond":  # operands follow the branch index
       per_branch = [_elementwise_from(b, ins[1:]) for b in subs]
-      outs = [frozenset().union(*o) for o in zip(*per_branch)]
-    elif (name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins)
-          and len(subs[0].outvars) == len(eqn.outvars)):
-      outs = _elementwise_from(subs[0], ins)
-    else:
-      continue
-    labels.update((v, o) for v, o in zip(eqn.outvars, outs) if o)
-  return [label(v) for v in jaxpr.outvars]
+      return [frozenset().union(*o) for o in zip(*per_branch)]
+    if (name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins)
+        and len(subs[0].outvars) == len(eqn.outvars)):
+      return _elementwise_from(subs[0], ins)
+    return None
+
+  return _walk(jaxpr, sources, step)
 
 
 def _update_jaxpr(update: Callable[..., Any], state: Any, params: Any) -> tuple[Any, list[int]] | None:
@@ -197,27 +211,21 @@ def _divisor_labels(jaxpr: Any, sources: Sequence[frozenset[int]]) -> frozenset[
   (``scan``, ``while``) is taken to divide by each of its operands, so that
   a doubt keeps a leaf from coding 0.
   """
-  labels: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources))
   found: set[int] = set()
 
-  def label(v: Any) -> frozenset[int]:
-    return labels.get(v, frozenset()) if isinstance(v, jex_core.Var) else frozenset()
-
-  for eqn in jaxpr.eqns:
-    ins = [label(v) for v in eqn.invars]
-    if not any(ins):
-      continue
-    name, subs = eqn.primitive.name, list(jaxpr_utils.subjaxprs(eqn))
-    union = frozenset().union(*ins)
+  def step(eqn: Any, ins: list[frozenset[int]], name: str,
+           subs: list[Any]) -> list[frozenset[int]]:
     if name == "cond":
       found.update(*(_divisor_labels(b, ins[1:]) for b in subs))
     elif name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins):
       found.update(_divisor_labels(subs[0], ins))
     elif subs:
-      found.update(union)
+      found.update(*ins)
     else:
       found.update(*(ins[k] for k in _ZERO_HAZARDS.get(name, ()) if k < len(ins)))
-    labels.update((v, union) for v in eqn.outvars)
+    return [frozenset().union(*ins)] * len(eqn.outvars)
+
+  _walk(jaxpr, sources, step)
   return frozenset(found)
 
 

@@ -16,16 +16,17 @@ largest ``|x|``)::
   int8,   signed    x = a * t |t|,  t = int8(q) / 127            (scale -a)
   float8, signed    x = a * e4m3(q) / 448                        (scale -a)
   non-negative      x = a * r(q)**2                              (scale +a)
-                    r(q) = min(q / 255, B(q), A(q))
-                    B(q) = f32_bits(q * 2**20 + kB),  A(q) = f32_bits(q * 2**21 + kA)
+                    r(q) = min(L(q), B(q), A(q)),  L(q) = (q + 1.25) / 256.25
+                    B(q) = f32_bits(q * 2**18 + kB),  A(q) = f32_bits(q * 2**19 + kA)
 
 ``r`` is ``sqrt(x / a)``: linear from code 120 (0.47) to 255, with steps of
-0.39-0.83%; below, ``B`` reads ``q`` as float32 bits with 3 mantissa bits
-(8 codes an octave, steps of 6-12.5%) down to 0.029 at code 88, and ``A``
-with 2 (4 codes an octave, steps of 12-25%) down to 8.4e-9 at code 1:
-``v`` from the block's largest down to 7e-17 of it. Code 0 is 0. ``kB`` and
-``kA`` make the pieces meet at codes 120 and 88; each piece lies under
-the others in its range, so the minimum picks it.
+0.39-0.82%; below, ``B`` reads ``q`` as float32 bits with 5 mantissa bits
+(32 codes an octave, steps of 1.6-3.1%) down to 0.17 at code 70, and ``A``
+with 4 (16 codes an octave, steps of 3.3-6.1%) down to 0.008 at code 1:
+``v`` from the block's largest down to 6.3e-5 of it. Code 0 is 0. ``kB``
+and ``kA`` make the pieces meet at codes 120 and 70; each piece lies under
+the others in its range, so the minimum picks it (the 1.25 lifts the line
+above ``A`` at the lowest codes).
 
 **Rounding is stochastic and unbiased**: each value is coded as one of its
 two neighbouring codes, the upper one with the probability that makes
@@ -45,25 +46,26 @@ Each draw is uniform, so the rounding is unbiased; along the updates an
 element's draws are spread evenly, so its rounding errors do not add up as
 a random walk in a moving average (on a block of gradients of 1 and 6.7e-8,
 Adam's largest step fell from 2.2x float32's with independent draws to 1.9x).
-Outside a code's range the rounding is biased to the safe side: 0 codes as
-0; a signed value under the smallest non-zero code (``a / 127**2`` for
-int8, e4m3's smallest subnormal for float8) codes 0, so a decaying momentum
-reaches 0; a non-zero non-negative value never codes 0: under code 1 it
-rounds up to it.
+Outside a code's range: 0 codes as 0; a signed value under the smallest
+non-zero code (``a / 127**2`` for int8, e4m3's smallest subnormal for
+float8) codes 0, so a decaying momentum reaches 0; a non-negative value
+under code 1 rounds to 0 or to code 1 without bias, except in a leaf the
+update divides by (``never_zero``: Adam's ``v``), where it rounds up to
+code 1, so that the update never divides by ``eps`` alone.
 
 **Why the non-negative code has this shape.** Adam steps by ``m /
-sqrt(v)``. Coded without bias, ``sqrt(v)`` sits on one of the two codes
-around it, so an element's step can be as large as its float32 step times
-the ratio of neighbouring codes: that ratio must stay well under 1.5 down to
-the smallest ``sqrt(v)`` a block can hold next to its largest. A block that
-mixes gradients of 1 and 1e-8 (an embedding's rare rows) needs ``r`` down to
-1e-8; 255 codes cover that at 25% at worst only if the steps are geometric
-(a float's exponent) there, and a power law (the previous tail, ``0.188
-(q/48)**8``, rounded up) cannot: its step at 1e-8 is 3.5x. The top stays
-linear because parameter drift follows the step there (each step's rounding
-error is new and ``v``'s moving average adds them up): the previous codes'
-measurements, ``(q/255)**p`` with powers 3, 2, 1.5 and 1.25, drifted 3.8%,
-2.1%, 1.5% and 1.2% from float32 AdamW on the oracle benchmark's MLP.
+sqrt(v)``, and ``v``'s moving average (``b2 = 0.999``) is coded anew at every
+update, so each element's coded ``v`` wanders around its float32 value by a
+few of its code's steps: the steps at an element's level, not the range,
+set how far its updates stray. Measured on the oracle benchmark
+(``benchmarks.optim_oracle``), coding ``v`` made nearly all of int8's drift
+(coding ``m`` alone drifted 0.44-0.55x torchao's ``AdamW8bit``, ``v`` alone
+1.2-2.5x). The previous code spent 87 of its codes on the range below 0.029
+(``r`` down to 8.4e-9, steps of 12-25%), and elements there stepped up to
+2.47x float32 Adam's in the mixed-magnitude sweep; this one spends them on
+finer steps down to 0.008, and a ``v`` under that rounds up (a smaller step,
+never a larger one). The top stays linear because parameter drift follows
+the step there.
 
 The decode is integer multiplies and adds, two bitcasts, a multiplication
 and minima, with one ``where`` on the block's mode: XLA:GPU recomputes a
