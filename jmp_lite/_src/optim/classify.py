@@ -33,7 +33,7 @@ reads parameter values in Python) is refused with a ``TypeError``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,20 +68,21 @@ _UNTRACEABLE = (
 
 
 def _depends(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
-  """For each output of ``jaxpr``: whether data flows to it from an input marked True."""
-  dep = {v for v, d in zip(jaxpr.invars, inputs) if d}
-  for eqn in jaxpr.eqns:
-    ins = [isinstance(v, jex_core.Var) and v in dep for v in eqn.invars]
-    if not any(ins):
-      continue
-    subs = list(jaxpr_utils.subjaxprs(eqn))
-    if (eqn.primitive.name in _CALLS and len(subs) == 1
-        and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == len(eqn.outvars)):
-      outs = _depends(subs[0], ins)
-    else:  # Any other primitive: every output reads every input.
-      outs = [True] * len(eqn.outvars)
-    dep.update(v for v, d in zip(eqn.outvars, outs) if d)
-  return [isinstance(v, jex_core.Var) and v in dep for v in jaxpr.outvars]
+  """For each output of ``jaxpr``: whether data flows to it from an input marked True.
+
+  Into nested ``jit`` and ``custom_jvp`` bodies; any other primitive passes
+  every input to every output.
+  """
+
+  def step(eqn: Any, ins: list[frozenset[int]], name: str,
+           subs: list[Any]) -> list[frozenset[int]]:
+    if (name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins)
+        and len(subs[0].outvars) == len(eqn.outvars)):
+      return _walk(subs[0], ins, step)
+    return [frozenset().union(*ins)] * len(eqn.outvars)
+
+  marked = [frozenset({0}) if d else frozenset() for d in inputs]
+  return [bool(label) for label in _walk(jaxpr, marked, step)]
 
 
 def _walk(jaxpr: Any, sources: Sequence[frozenset[int]],
@@ -135,14 +136,31 @@ def _elementwise_from(jaxpr: Any, sources: Sequence[frozenset[int]]) -> list[fro
   return _walk(jaxpr, sources, step)
 
 
-def _update_jaxpr(update: Callable[..., Any], state: Any, params: Any) -> tuple[Any, list[int]] | None:
-  """``update``'s new state as a jaxpr of the state's array leaves, traced with zero gradients.
+class UpdateProgram(NamedTuple):
+  """An update's new state as a jaxpr of the state's array leaves (:func:`update_program`).
 
-  Returns ``(closed jaxpr, where)``: ``where[k]`` is the state leaf of the
-  jaxpr's input ``k``. When the update needs extra arguments, the keywords of
-  optax's value-and-gradient protocol (``value``, ``grad``, ``value_fn``) are
-  given stand-ins; ``None`` if it still cannot be traced, or if it changes the
-  state's structure.
+  Attributes:
+    jaxpr: the open jaxpr.
+    where: ``where[k]`` is the state leaf of the jaxpr's input ``k``.
+    leaves: how many leaves the state has.
+  """
+
+  jaxpr: Any
+  where: list[int]
+  leaves: int
+
+  def labels(self) -> list[frozenset[int]]:
+    """Each input labelled with its leaf's number."""
+    return [frozenset({i}) for i in self.where]
+
+
+def update_program(update: Callable[..., Any], state: Any, params: Any) -> UpdateProgram | None:
+  """``update(grads, state, params)``'s new state, traced once with zero gradients.
+
+  :func:`averages` and :func:`divisors` read it. When the update needs extra
+  arguments, the keywords of optax's value-and-gradient protocol (``value``,
+  ``grad``, ``value_fn``) are given stand-ins; ``None`` if it still cannot be
+  traced, or if it changes the state's structure.
   """
   traced, spec = filtering.partition(state)
   where = [i for i, x in enumerate(traced) if x is not None]
@@ -166,35 +184,29 @@ def _update_jaxpr(update: Callable[..., Any], state: Any, params: Any) -> tuple[
       continue
     if len(jax.tree.leaves(shapes)) != len(traced):  # the update changed the structure
       return None
-    return closed, where
+    return UpdateProgram(closed.jaxpr, where, len(traced))
   return None
 
 
-def averages(update: Callable[..., Any], state: Any, params: Any) -> list[bool] | None:
-  """For each leaf of ``state``: whether ``update`` keeps it as a running value of itself.
+def averages(program: UpdateProgram) -> list[bool]:
+  """For each leaf of the state: whether the update keeps it as a running value of itself.
 
-  ``update(grads, state, params)`` is traced with zero gradients
-  (:func:`_update_jaxpr`); a leaf is a running value (a moving average, a
-  momentum, an accumulator) when its new value reaches its old one through
-  element-wise arithmetic (see :func:`_elementwise_from`). A leaf the update
-  overwrites (L-BFGS's last params and gradient) or rebuilds through a loop
-  or a reduction (a line search's memory) is not one. ``None`` if the update
-  cannot be traced.
+  A leaf is a running value (a moving average, a momentum, an accumulator)
+  when its new value reaches its old one through element-wise arithmetic
+  (see :func:`_elementwise_from`). A leaf the update overwrites (L-BFGS's
+  last params and gradient) or rebuilds through a loop or a reduction (a line
+  search's memory) is not one.
 
   Examples:
     >>> import jax.numpy as jnp, optax
     >>> params = {"w": jnp.ones(3)}
-    >>> averages(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)  # count, mu, nu
+    >>> adam, lbfgs = optax.adam(1e-3), optax.lbfgs()
+    >>> averages(update_program(adam.update, adam.init(params), params))  # count, mu, nu
     [True, True, True]
-    >>> lbfgs = optax.lbfgs()
-    >>> averages(lbfgs.update, lbfgs.init(params), params)[1:3]  # its last params and gradient
+    >>> averages(update_program(lbfgs.update, lbfgs.init(params), params))[1:3]  # last params, grad
     [False, False]
   """
-  found = _update_jaxpr(update, state, params)
-  if found is None:
-    return None
-  closed, where = found
-  reached = _elementwise_from(closed.jaxpr, [frozenset({i}) for i in where])
+  reached = _elementwise_from(program.jaxpr, program.labels())
   return [i in r for i, r in enumerate(reached)]
 
 
@@ -229,27 +241,23 @@ def _divisor_labels(jaxpr: Any, sources: Sequence[frozenset[int]]) -> frozenset[
   return frozenset(found)
 
 
-def divisors(update: Callable[..., Any], state: Any, params: Any) -> list[bool] | None:
-  """For each leaf of ``state``: whether ``update`` divides by it (or a function of it).
+def divisors(program: UpdateProgram) -> list[bool]:
+  """For each leaf of the state: whether the update divides by it (or a function of it).
 
   Adam's ``nu`` (under ``sqrt`` in the step's denominator) is one, and so is
   its count (the bias correction divides by ``1 - b**count``); its ``mu``
   (the numerator) is not. A coded leaf that is one must never decode to 0
-  from a non-zero value: the update would divide by ``eps``. ``None`` if the
-  update cannot be traced.
+  from a non-zero value: the update would divide by ``eps``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
     >>> params = {"w": jnp.ones(3)}
-    >>> divisors(optax.adam(1e-3).update, optax.adam(1e-3).init(params), params)  # count, mu, nu
+    >>> adam = optax.adam(1e-3)
+    >>> divisors(update_program(adam.update, adam.init(params), params))  # count, mu, nu
     [True, False, True]
   """
-  found = _update_jaxpr(update, state, params)
-  if found is None:
-    return None
-  closed, where = found
-  hit = _divisor_labels(closed.jaxpr, [frozenset({i}) for i in where])
-  return [i in hit for i in range(len(filtering.partition(state)[0]))]
+  hit = _divisor_labels(program.jaxpr, program.labels())
+  return [i in hit for i in range(program.leaves)]
 
 
 def refine(state_kinds: list[str], running: list[bool] | None) -> list[str]:

@@ -406,11 +406,12 @@ def quantize_state(
       return QuantizedState(inner_tx.init(params), jnp.zeros((), jnp.int32))
     state = inner_tx.init(params)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    program = classify.update_program(inner_tx.update, state, params)  # traced once, read twice
     kinds = classify.refine(
         classify.kinds(inner_tx.init, params, len(flat), "the inner transformation"),
-        classify.averages(inner_tx.update, state, params))
-    # A leaf the update divides by never codes 0; None (untraceable): none may.
-    divides = classify.divisors(inner_tx.update, state, params) or [True] * len(flat)
+        None if program is None else classify.averages(program))
+    # A leaf the update divides by never codes 0; an update that cannot be traced: none may.
+    divides = [True] * len(flat) if program is None else classify.divisors(program)
     if keep_state:
       policy_lib.warn_unmatched(keep_state, [(tree_utils.path_str(p), x) for p, x in flat
                                              if tree_utils.is_floating_array(x)],
