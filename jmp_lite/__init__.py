@@ -29,7 +29,7 @@ from jmp_lite._src.scaling.loss_scale import StaticLossScale
 from jmp_lite._src.scaling.loss_scale import all_finite
 from jmp_lite._src.scaling.loss_scale import select_tree
 from jmp_lite._src.masters import apply_updates
-from jmp_lite._src.optim.quantize import QuantizedArray
+from jmp_lite._src.optim.coded import QuantizedArray
 from jmp_lite._src.optim.quantize import QuantizedState
 from jmp_lite._src.optim.quantize import quantize_state
 from jmp_lite._src.policy import Policy

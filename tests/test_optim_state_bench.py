@@ -43,6 +43,22 @@ def test_persistent_bytes_from_shapes_only():
   assert int8["persistent_bytes"] == 2 * n + 2 * 64 * 256 + 2 * 4 * 64 + 8 * 64 + 8 + 8 + 4
 
 
+@pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
+                    reason=str(gpu_compile.plugin_missing()))
+@pytest.mark.parametrize("variant", ["int8", "float8", "int4"])
+def test_the_h100_update_holds_no_float32_copy_of_the_state(variant):
+  # One 1024 x 1024 matrix and a bias: optax's AdamW update holds one float32 buffer of the
+  # matrix (4 MiB). Before the update's two passes (block scales, then the codes), the coded
+  # update held the new mu and nu in float32 (8 MiB); with int4's packing also a copy of the
+  # params.
+  params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+            "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+  adamw = optim_state.h100_update("adamw", params)["temp_bytes"]
+  coded = optim_state.h100_update(variant, params)["temp_bytes"]
+  assert adamw >= 4 * 2**20
+  assert coded <= adamw // 2, (coded, adamw)
+
+
 @pytest.mark.slow
 def test_smoke_run_writes_its_report(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "benchmarks.optim_state", "--smoke", "--out",

@@ -14,7 +14,7 @@ from flax import nnx
 
 import jmp_lite as jmp
 from jmp_lite._src.optim import codes as codes_lib
-from jmp_lite._src.optim import quantize as quantize_lib
+from jmp_lite._src.optim import coded as coded_lib
 from conftest import assert_bitwise_equal
 
 FORMATS = ["int8", "float8"]
@@ -314,7 +314,7 @@ def test_encode_decode_is_unbiased(fmt):
   x = x.at[0].set(jnp.abs(x[0]) ** 4 * jnp.exp(-8 * jnp.abs(x[1])))  # non-negative, wide range
   draws = 512
   seeds = jnp.arange(draws, dtype=jnp.int32)
-  quantize = lambda s: quantize_lib.quantize(x, fmt, 256, 0, s)  # over updates
+  quantize = lambda s: coded_lib.quantize(x, fmt, 256, 0, s)  # over updates
   decoded = jax.lax.map(lambda s: quantize(s).dequantize(), seeds)
   mean, std = jnp.mean(decoded, axis=0), jnp.std(decoded, axis=0)
   one = quantize(seeds[0])
@@ -379,7 +379,7 @@ def test_a_value_under_the_smallest_code_rounds_to_zero_only_where_nothing_divid
   draws = jnp.arange(256, dtype=jnp.int32)
   for never_zero in (True, False):
     decoded = jax.lax.map(
-        lambda s: quantize_lib.quantize(x, "int8", 256, 0, s, never_zero).dequantize()[:, 1:],
+        lambda s: coded_lib.quantize(x, "int8", 256, 0, s, never_zero).dequantize()[:, 1:],
         draws)
     if never_zero:  # rounds up to code 1: larger, never 0
       np.testing.assert_allclose(np.asarray(decoded), smallest, rtol=1e-5)
@@ -391,7 +391,7 @@ def test_a_value_under_the_smallest_code_rounds_to_zero_only_where_nothing_divid
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_stays_zero_and_non_negative_v_never_decodes_to_zero(fmt):
   x = jnp.zeros((2, 256)).at[0, :128].set(jnp.logspace(0, -16, 128)).at[1, 0].set(-1.0)
-  q = quantize_lib.quantize(x, fmt, 256, 3, 0).dequantize()
+  q = coded_lib.quantize(x, fmt, 256, 3, 0).dequantize()
   assert bool(jnp.all(q[0, :128] > 0)) and bool(jnp.all(q[:, 128:] == 0))
   assert bool(jnp.all(q[1, 1:] == 0)) and float(q[1, 0]) == -1.0
 

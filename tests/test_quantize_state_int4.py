@@ -14,7 +14,7 @@ from flax import nnx
 
 import jmp_lite as jmp
 from jmp_lite._src.optim import codes4
-from jmp_lite._src.optim import quantize as quantize_lib
+from jmp_lite._src.optim import coded as coded_lib
 from conftest import assert_bitwise_equal
 
 
@@ -86,13 +86,13 @@ def test_packed_codes_describe_the_leaf(shape, codes_shape, scales_shape):
   n = int(np.prod(shape))
   signed_levels = np.array([0, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1], np.float32)
   x = (np.resize(np.concatenate([signed_levels, -signed_levels]), n) * 3.0).reshape(shape)
-  q = quantize_lib.quantize(jnp.asarray(x), "int4", 128, 0, jnp.int32(7))
+  q = coded_lib.quantize(jnp.asarray(x), "int4", 128, 0, jnp.int32(7))
   assert (q.codes.shape, q.codes.dtype, q.scales.shape) == (codes_shape, jnp.uint8, scales_shape)
   assert q.shape == shape and q.dequantize().shape == shape
   np.testing.assert_array_equal(np.asarray(q.dequantize()), x)
   v = np.abs(x) + np.float32(2.0**-8 * 3.0) * (np.abs(x) == 0)  # v's code: 2**-8 .. 1
   np.testing.assert_array_equal(
-      np.asarray(quantize_lib.quantize(jnp.asarray(v), "int4", 128, 1, 3).dequantize()), v)
+      np.asarray(coded_lib.quantize(jnp.asarray(v), "int4", 128, 1, 3).dequantize()), v)
 
 
 def test_int4_is_a_quarter_of_float32_state_and_blocks_of_128_by_default():
@@ -113,9 +113,9 @@ def test_encode_decode_is_unbiased(block):
   if block == "non-negative":
     x = jnp.abs(x) ** 4  # v-like, with a long tail
   draws = 2048
-  decoded = jax.lax.map(lambda s: quantize_lib.quantize(x, "int4", 128, 0, s).dequantize(),
+  decoded = jax.lax.map(lambda s: coded_lib.quantize(x, "int4", 128, 0, s).dequantize(),
                         jnp.arange(draws, dtype=jnp.int32))
-  q = quantize_lib.quantize(x, "int4", 128, 0, 0)
+  q = coded_lib.quantize(x, "int4", 128, 0, 0)
   assert bool(jnp.all((q.scales < 0) == (block == "signed")))
   largest = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   mean, std = jnp.mean(decoded, axis=0), jnp.std(decoded, axis=0)
@@ -132,7 +132,7 @@ def test_encode_decode_is_unbiased(block):
 def test_v_never_decodes_to_zero_and_zero_stays_zero():
   x = jnp.zeros((2, 128)).at[0, :100].set(jnp.logspace(0, -30, 100)).at[1, 0].set(-1.0)
   for count in range(8):
-    q = quantize_lib.quantize(x, "int4", 128, 0, count).dequantize()
+    q = coded_lib.quantize(x, "int4", 128, 0, count).dequantize()
     assert bool(jnp.all(q[0, :100] > 0)) and bool(jnp.all(q[:, 100:] == 0))
     assert bool(jnp.all(q[1, 1:] == 0)) and float(q[1, 0]) == -1.0
 

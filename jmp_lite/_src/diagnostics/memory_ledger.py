@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src.optim import codes as codes_lib
-from jmp_lite._src.optim import quantize as quantize_lib
+from jmp_lite._src.optim import coded as coded_lib
 from jmp_lite._src.step import train_state as train_state_lib
 
 # The parts of a TrainState, in table order.
@@ -103,10 +103,10 @@ def _count(part: str, tree: Any, tally: dict[tuple[str, str], list[int]]) -> Non
     row[1] += nbytes
 
   def is_q(x: Any) -> bool:
-    return isinstance(x, quantize_lib.QuantizedArray)
+    return isinstance(x, coded_lib.QuantizedArray)
 
   for leaf in jax.tree.leaves(tree, is_leaf=is_q):
-    if isinstance(leaf, quantize_lib.QuantizedArray):
+    if isinstance(leaf, coded_lib.QuantizedArray):
       _, n, b = _leaf_bytes(leaf.codes)
       per_byte = codes_lib.codes_per_byte(leaf.format)  # int4: two codes a byte
       add("4-bit codes" if per_byte == 2 else f"{np.dtype(leaf.codes.dtype).name} codes",

@@ -38,7 +38,7 @@ keeps its code for ever, so a momentum whose gradient became 0 kept moving
 forgot a large gradient (steps 79x float32 Adam's smaller after a 100x
 drop). Unbiased, a moving average follows its input on average, and 0 is
 the only fixed point of a decay. The draws (24 bits) are a Weyl sequence per element
-(:func:`jmp_lite._src.optim.quantize.dither`): a random phase from
+(:func:`jmp_lite._src.optim.coded.dither`): a random phase from
 :func:`jmp_lite._src.masters.hashed_bits`, the counter-based hash of each
 element's index that stochastic bfloat16 rounding uses (seeded by the
 leaf's number), advanced by 2**32 over the golden ratio at each update.
@@ -68,10 +68,9 @@ never a larger one). The top stays linear because parameter drift follows
 the step there.
 
 The decode is integer multiplies and adds, two bitcasts, a multiplication
-and minima, with one ``where`` on the block's mode: XLA:GPU recomputes a
-decode this cheap in both fusions that read the decoded state (the block
-maximum and the new codes), where it keeps a costlier one (``exp``,
-``sqrt``, ``floor``) in a float32 buffer of the leaf.
+and minima, with one ``where`` on the block's mode: the update decodes the
+state in each of its passes (:mod:`jmp_lite._src.optim.passes`: the block
+scales, then the codes), so a cheap decode keeps the passes cheap.
 ``"float8"`` codes only signed blocks in e4m3 (rounded without bias by the
 spacing of e4m3 around the value); non-negative blocks use the code above
 (e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's largest, and
@@ -129,9 +128,8 @@ def _as_f32(i: jax.Array) -> jax.Array:
 def _root_of_code(q: jax.Array) -> jax.Array:
   """``sqrt(v / a)`` of the non-negative codes ``q`` (int32): integer ops, two bitcasts, minima.
 
-  No ``where``, ``exp`` or ``floor``: XLA:GPU recomputes a decode this cheap
-  in each fusion that reads the decoded state (the block's maximum and the
-  new codes), where it keeps a costlier one in a float32 buffer of the leaf.
+  No ``where``, ``exp`` or ``floor``: the update decodes in each of its
+  passes (:mod:`jmp_lite._src.optim.passes`).
   """
   line = (q + _LINE_C * jnp.minimum(q, 1)).astype(jnp.float32) * (1.0 / (255.0 + _LINE_C))
   mid = _as_f32(q * (1 << _B_SHIFT) + _B_OFFSET)
@@ -190,8 +188,16 @@ def _signed_to_bits(codes: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(codes, jnp.uint8)
 
 
-def encode(x: jax.Array, fmt: str, bits: jax.Array,
-           never_zero: bool = True) -> tuple[jax.Array, jax.Array]:
+def block_scales(x: jax.Array) -> jax.Array:
+  """The scales :func:`encode` gives float32 blocks ``x``: each block's largest ``|x|``, negated
+  for a block with a negative value (coded with the signed code)."""
+  x = x.astype(jnp.float32)
+  a = jnp.max(jnp.abs(x), axis=-1)
+  return jnp.where(jnp.min(x, axis=-1) < 0, -a, a)
+
+
+def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,
+           scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
   Args:
@@ -203,6 +209,9 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array,
     never_zero: a non-zero value of a non-negative block never codes 0 (for a
       leaf the update divides by); otherwise one under the smallest code rounds
       to it or to 0 without bias.
+    scales: the blocks' :func:`block_scales`, when the caller has them (from
+      another computation of the same ``x``); a value beyond its block's
+      scale codes as the scale's.
 
   Returns:
     ``(codes, scales)``: uint8 codes of ``x``'s shape (for ``"int4"``, two a
@@ -211,8 +220,8 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array,
     coded with the signed code.
   """
   x = x.astype(jnp.float32)
-  a = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  signed = jnp.min(x, axis=-1, keepdims=True) < 0
+  scales = block_scales(x) if scales is None else scales
+  a, signed = jnp.abs(scales)[..., None], (scales < 0)[..., None]
   y = x * jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
   u = (bits >> 8).astype(jnp.float32) * _U24
   if fmt == "int4":
@@ -221,7 +230,7 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array,
     signed_code = _encode_e4m3 if fmt == "float8" else _encode_companded
     non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u, never_zero).astype(jnp.uint8)
     codes = jnp.where(signed, _signed_to_bits(signed_code(y, u)), non_negative)
-  return codes, jnp.where(signed, -a, a)[..., 0]
+  return codes, scales
 
 
 def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:

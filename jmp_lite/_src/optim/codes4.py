@@ -4,7 +4,7 @@ The ``"int4"`` format of :mod:`jmp_lite._src.optim.quantize`. As in the
 8-bit codes (:mod:`jmp_lite._src.optim.codes`), the mode of a block is the
 sign of its float32 scale ``a`` (its largest ``|x|``), chosen from its values
 at every encode, and the rounding is stochastic and unbiased, with draws from
-:func:`jmp_lite._src.optim.quantize.dither`. Both codes are "bit lines":
+:func:`jmp_lite._src.optim.coded.dither`. Both codes are "bit lines":
 a code ``q`` read as the bits of a float32, two codes an octave (one mantissa
 bit) down to ``1/4`` (signed) or ``2**-6`` (non-negative) of the block's
 largest and one an octave below, so the decode is an

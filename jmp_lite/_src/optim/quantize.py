@@ -31,11 +31,13 @@ import numpy as np
 import optax
 
 from jmp_lite._src import checks
-from jmp_lite._src import masters
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree_utils
 from jmp_lite._src.optim import classify
 from jmp_lite._src.optim import codes as codes_lib
+from jmp_lite._src.optim import coded
+from jmp_lite._src.optim.coded import QuantizedArray
+from jmp_lite._src.optim import passes
 
 try:  # optax.tree_map_params's stand-in for the params: no public name; degrade to none.
   from optax.tree_utils._state_utils import _ParamsPlaceholder
@@ -52,67 +54,6 @@ _TX_MSG = ("tx must be an optax GradientTransformation (an object with init and 
            "such as optax.adamw(1e-3)), got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedArray:
-  """One state leaf in 8 or 4 bits: codes, one float32 scale per block, and how to decode them.
-
-  A pytree: ``codes`` and ``scales`` are its children; the rest is static.
-
-  Attributes:
-    codes: uint8 codes. The leaf's own shape when its last axis is a
-      multiple of ``block_size`` (blocks run along it); otherwise
-      ``(blocks, block_size)`` over the flattened, zero-padded leaf. For
-      ``"int4"`` two codes share a byte and the last axis is halved: element
-      ``j`` of a block in the low nibble of the block's byte ``j``, element
-      ``j + block_size / 2`` in its high nibble.
-    scales: float32, one per block (``codes.shape[:-1] + (blocks,)`` or
-      ``(blocks,)``): the block's largest magnitude, negative for a block
-      with a negative value (coded by ``format``'s signed code), positive for
-      a block coded with the non-negative code (of the square root).
-    shape: the leaf's shape.
-    dtype: the leaf's dtype (what decoding returns).
-    format: ``"int8"``, ``"float8"`` or ``"int4"``.
-    block_size: elements per block.
-    never_zero: a non-zero value of a non-negative block never codes 0 (it
-      rounds up to the smallest code): set for a leaf the update divides by
-      (``classify.divisors``), such as Adam's ``nu``. Otherwise a value under
-      the smallest code rounds to it or to 0 without bias, so that a
-      decaying momentum reaches 0.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import jmp_lite as jmp
-    >>> state = jmp.quantize_state(optax.adam(1e-3), min_size=0).init({"w": jnp.ones((2, 256))})
-    >>> nu = state.inner[0].nu["w"]
-    >>> nu.codes.dtype, nu.scales.shape, nu.dequantize().shape
-    (dtype('uint8'), (2, 1), (2, 256))
-    >>> state = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0).init({"w": jnp.ones((2, 256))})
-    >>> mu = state.inner[0].mu["w"]
-    >>> mu.codes.shape, mu.scales.shape, mu.dequantize().shape
-    ((2, 128), (2, 2), (2, 256))
-  """
-
-  codes: jax.Array
-  scales: jax.Array
-  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-  dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
-  format: str = dataclasses.field(metadata=dict(static=True))
-  block_size: int = dataclasses.field(metadata=dict(static=True))
-  never_zero: bool = dataclasses.field(default=True, metadata=dict(static=True))
-
-  def dequantize(self) -> jax.Array:
-    """The leaf in its own dtype and shape."""
-    blocks = _blocked_shape(self.shape, self.block_size)
-    packed = blocks[:-1] + (blocks[-1] // codes_lib.codes_per_byte(self.format),)
-    x = codes_lib.decode(self.codes.reshape(packed), self.scales, self.format)
-    if _along_last(self.shape, self.block_size):
-      return x.reshape(self.shape).astype(self.dtype)
-    return x.reshape(-1)[: int(np.prod(self.shape))].reshape(self.shape).astype(self.dtype)
-
-
-jax.tree_util.register_dataclass(QuantizedArray)
-
-
 class QuantizedState(NamedTuple):
   """The state of :func:`quantize_state`: the inner state, some leaves as :class:`QuantizedArray`.
 
@@ -120,7 +61,7 @@ class QuantizedState(NamedTuple):
     inner: the inner transformation's state, with each coded leaf replaced
       by its :class:`QuantizedArray`.
     step: int32, the updates made: with each coded leaf's number, it seeds
-      the stochastic rounding of the codes (:func:`dither`).
+      the stochastic rounding of the codes (:func:`jmp_lite._src.optim.coded.dither`).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -133,80 +74,6 @@ class QuantizedState(NamedTuple):
 
   inner: optax.OptState
   step: jax.Array
-
-
-def _along_last(shape: tuple[int, ...], block_size: int) -> bool:
-  """Whether blocks run along the last axis (else over the flattened, padded leaf)."""
-  return bool(shape) and shape[-1] % block_size == 0
-
-
-def _blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
-  if _along_last(shape, block_size):
-    return shape[:-1] + (shape[-1] // block_size, block_size)
-  size = int(np.prod(shape))
-  return (-(-size // block_size), block_size)
-
-
-def dither(shape: tuple[int, ...], leaf: int, count: jax.Array) -> jax.Array:
-  """The ``uint32`` draws of coded leaf number ``leaf`` at update ``count``, one per element.
-
-  Each element's draws are a Weyl sequence: a random phase (the hash of its
-  index, seeded by the leaf's number, ``masters.hashed_bits``) plus ``count``
-  times 2**32 over the golden ratio. Each draw is uniform over the phases,
-  so the rounding is unbiased; along the updates an element's draws are
-  spread evenly rather than independently, so a code that rounds up with
-  probability ``p`` at each update does so once every ``1 / p`` updates, not
-  in random clusters, and a moving average's rounding errors do not add up
-  as a random walk.
-  """
-  phase = masters.hashed_bits(shape, jnp.uint32(leaf) * np.uint32(0x85EBCA6B) + np.uint32(1))
-  return phase + jnp.asarray(count).astype(jnp.uint32) * np.uint32(0x9E3779B9)
-
-
-def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
-             count: jax.Array, never_zero: bool = True) -> QuantizedArray:
-  """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype).
-
-  The stochastic rounding draws from :func:`dither` of coded leaf number
-  ``leaf`` at update ``count``; ``never_zero`` as :class:`QuantizedArray`'s.
-  """
-  shape = tuple(x.shape)
-  blocks = _blocked_shape(shape, block_size)
-  along_last = _along_last(shape, block_size)
-  # The codes keep the leaf's shape (its last axis over the codes a byte) when blocked
-  # along it, else the blocks' shape.
-  per_byte = codes_lib.codes_per_byte(fmt)
-  stored = (shape[:-1] + (shape[-1] // per_byte,) if along_last
-            else blocks[:-1] + (block_size // per_byte,))
-  if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
-    return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
-                          shape, np.dtype(x.dtype), fmt, block_size, never_zero)
-  flat = x.astype(jnp.float32)
-  if not along_last:
-    flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
-  codes, scales = codes_lib.encode(flat.reshape(blocks), fmt, dither(blocks, leaf, count),
-                                   never_zero)
-  return QuantizedArray(codes.reshape(stored), scales, shape, np.dtype(x.dtype), fmt, block_size,
-                        never_zero)
-
-
-def _zeros_on_one_device(x: jax.Array) -> bool:
-  """Whether ``x`` is a concrete array of zeros on one device (a freshly made moment).
-
-  Zeros code to zero codes and zero scales in every format; making those
-  directly spares ``init`` an eager dispatch of each op of the encode. Traced
-  and sharded arrays take the encode, whose output follows their sharding.
-  The test is a reduction on the device, so only a bool leaves it (run
-  eagerly also inside an outer trace that closes over ``x``).
-  """
-  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-    return False
-  if len(x.sharding.device_set) != 1:
-    return False
-  with jax.ensure_compile_time_eval():
-    return not bool(jnp.any(x))
-
-
 
 
 def _is_quantized(x: Any) -> bool:
@@ -230,23 +97,39 @@ def dequantize_tree(tree: Any) -> Any:
                       is_leaf=_is_quantized)
 
 
-def _requantize(old: Any, new: Any, count: jax.Array) -> Any:
+def _new_scales(old: Any, new: Any) -> list[jax.Array]:
+  """The block scales of ``new``'s leaves where ``old`` holds a :class:`QuantizedArray`."""
+  flat_old = jax.tree.leaves(old, is_leaf=_is_quantized)
+  return [codes_lib.block_scales(coded.as_blocks(n.astype(o.dtype), o.block_size))
+          for o, n in zip(flat_old, jax.tree.leaves(new)) if _is_quantized(o)]
+
+
+def _requantize(old: Any, new: Any, count: jax.Array,
+                scales: list[jax.Array] | None = None) -> Any:
   """``new``'s leaves coded where ``old`` holds a :class:`QuantizedArray`, with its code.
 
   The rounding of coded leaf ``i`` (in flattening order) draws from
-  ``dither(..., i, count)``.
+  ``coded.dither(..., i, count)``; its block scales are ``scales[i]`` when given
+  (:func:`_new_scales`).
   """
   flat_old, treedef = jax.tree.flatten(old, is_leaf=_is_quantized)
   flat_new = jax.tree.leaves(new)  # the inner update keeps the state's structure
-  out, coded = [], 0
+  out, number = [], 0
   for o, n in zip(flat_old, flat_new):
     if _is_quantized(o):
-      q = quantize(n.astype(o.dtype), o.format, o.block_size, coded, count, o.never_zero)
+      q = coded.quantize(n.astype(o.dtype), o.format, o.block_size, number, count,
+                         o.never_zero, None if scales is None else scales[number])
       wrap = _unwrapped(o.codes)[1]  # codes and scales in flax Variables where they were
       n = dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
-      coded += 1
+      number += 1
     out.append(n)
   return jax.tree.unflatten(treedef, out)
+
+
+def _packs(tree: Any) -> bool:
+  """Whether a :class:`QuantizedArray` of ``tree`` stores two codes a byte."""
+  return any(codes_lib.codes_per_byte(q.format) > 1
+             for q in jax.tree.leaves(tree, is_leaf=_is_quantized) if _is_quantized(q))
 
 
 def _is_variable(x: Any) -> bool:
@@ -315,6 +198,12 @@ def quantize_state(
     state   = decode(codes, scales)          # per leaf, float32
     updates, state = tx.update(grads, state, params)
     codes, scales  = encode(state)           # max |x| per block of block_size
+
+  It runs in passes (one for the scales, one for the updates and codes, and
+  for ``"int4"`` one more for the codes), so that XLA keeps no float32 copy
+  of the new state: on an H100 the update's temp is under optax's own AdamW
+  update's (``benchmarks.optim_state``). The inner update is traced two or
+  three times, so a print or callback in it runs that many times.
 
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
@@ -430,8 +319,16 @@ def quantize_state(
     if not isinstance(state, QuantizedState):
       raise TypeError(f"quantize_state's update needs the QuantizedState its init made, got "
                       f"{checks.type_name(state)}")
-    inner = dequantize_tree(state.inner)
-    updates, inner = inner_tx.update(updates, inner, params, **extra_args)
-    return updates, QuantizedState(_requantize(state.inner, inner, state.step), state.step + 1)
+    def run(old: Any, updates: Any, params: Any, extra_args: Any) -> Any:
+      return inner_tx.update(updates, dequantize_tree(old), params, **extra_args)
+
+    old = state.inner
+    if not any(map(_is_quantized, jax.tree.leaves(old, is_leaf=_is_quantized))):
+      updates, inner = run(old, updates, params, extra_args)
+      return updates, QuantizedState(inner, state.step + 1)
+    # In passes, so that XLA keeps no float32 copy of the new state (passes.py).
+    updates, inner, scales = passes.run_in_passes(
+        run, old, updates, params, extra_args, lambda new: _new_scales(old, new), _packs(old))
+    return updates, QuantizedState(_requantize(old, inner, state.step, scales), state.step + 1)
 
   return optax.GradientTransformationExtraArgs(init, update)

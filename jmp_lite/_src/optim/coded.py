@@ -1,0 +1,161 @@
+"""A coded optimizer-state leaf: :class:`QuantizedArray`, and coding a float32 leaf into one.
+
+Blocks of ``block_size`` elements run along the leaf's last axis when it is
+a multiple of ``block_size``, else over the flattened, zero-padded leaf; each
+block has one float32 scale and is coded by
+:mod:`jmp_lite._src.optim.codes` (or :mod:`jmp_lite._src.optim.codes4`, two
+codes a byte), with stochastic rounding that draws from :func:`dither`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import masters
+from jmp_lite._src.optim import codes as codes_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """One state leaf in 8 or 4 bits: codes, one float32 scale per block, and how to decode them.
+
+  A pytree: ``codes`` and ``scales`` are its children; the rest is static.
+
+  Attributes:
+    codes: uint8 codes. The leaf's own shape when its last axis is a
+      multiple of ``block_size`` (blocks run along it); otherwise
+      ``(blocks, block_size)`` over the flattened, zero-padded leaf. For
+      ``"int4"`` two codes share a byte and the last axis is halved: element
+      ``j`` of a block in the low nibble of the block's byte ``j``, element
+      ``j + block_size / 2`` in its high nibble.
+    scales: float32, one per block (``codes.shape[:-1] + (blocks,)`` or
+      ``(blocks,)``): the block's largest magnitude, negative for a block
+      with a negative value (coded by ``format``'s signed code), positive for
+      a block coded with the non-negative code (of the square root).
+    shape: the leaf's shape.
+    dtype: the leaf's dtype (what decoding returns).
+    format: ``"int8"``, ``"float8"`` or ``"int4"``.
+    block_size: elements per block.
+    never_zero: a non-zero value of a non-negative block never codes 0 (it
+      rounds up to the smallest code): set for a leaf the update divides by
+      (``classify.divisors``), such as Adam's ``nu``. Otherwise a value under
+      the smallest code rounds to it or to 0 without bias, so that a
+      decaying momentum reaches 0.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_lite as jmp
+    >>> state = jmp.quantize_state(optax.adam(1e-3), min_size=0).init({"w": jnp.ones((2, 256))})
+    >>> nu = state.inner[0].nu["w"]
+    >>> nu.codes.dtype, nu.scales.shape, nu.dequantize().shape
+    (dtype('uint8'), (2, 1), (2, 256))
+    >>> state = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0).init({"w": jnp.ones((2, 256))})
+    >>> mu = state.inner[0].mu["w"]
+    >>> mu.codes.shape, mu.scales.shape, mu.dequantize().shape
+    ((2, 128), (2, 2), (2, 256))
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+  format: str = dataclasses.field(metadata=dict(static=True))
+  block_size: int = dataclasses.field(metadata=dict(static=True))
+  never_zero: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+  def dequantize(self) -> jax.Array:
+    """The leaf in its own dtype and shape."""
+    blocks = _blocked_shape(self.shape, self.block_size)
+    packed = blocks[:-1] + (blocks[-1] // codes_lib.codes_per_byte(self.format),)
+    x = codes_lib.decode(self.codes.reshape(packed), self.scales, self.format)
+    if _along_last(self.shape, self.block_size):
+      return x.reshape(self.shape).astype(self.dtype)
+    return x.reshape(-1)[: int(np.prod(self.shape))].reshape(self.shape).astype(self.dtype)
+
+
+jax.tree_util.register_dataclass(QuantizedArray)
+
+
+def _along_last(shape: tuple[int, ...], block_size: int) -> bool:
+  """Whether blocks run along the last axis (else over the flattened, padded leaf)."""
+  return bool(shape) and shape[-1] % block_size == 0
+
+
+def _blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+  if _along_last(shape, block_size):
+    return shape[:-1] + (shape[-1] // block_size, block_size)
+  size = int(np.prod(shape))
+  return (-(-size // block_size), block_size)
+
+
+def dither(shape: tuple[int, ...], leaf: int, count: jax.Array) -> jax.Array:
+  """The ``uint32`` draws of coded leaf number ``leaf`` at update ``count``, one per element.
+
+  Each element's draws are a Weyl sequence: a random phase (the hash of its
+  index, seeded by the leaf's number, ``masters.hashed_bits``) plus ``count``
+  times 2**32 over the golden ratio. Each draw is uniform over the phases,
+  so the rounding is unbiased; along the updates an element's draws are
+  spread evenly rather than independently, so a code that rounds up with
+  probability ``p`` at each update does so once every ``1 / p`` updates, not
+  in random clusters, and a moving average's rounding errors do not add up
+  as a random walk.
+  """
+  phase = masters.hashed_bits(shape, jnp.uint32(leaf) * np.uint32(0x85EBCA6B) + np.uint32(1))
+  return phase + jnp.asarray(count).astype(jnp.uint32) * np.uint32(0x9E3779B9)
+
+
+def as_blocks(x: jax.Array, block_size: int) -> jax.Array:
+  """``x`` in float32 as blocks: its last axis split, or flattened and zero-padded."""
+  shape = tuple(x.shape)
+  blocks = _blocked_shape(shape, block_size)
+  flat = x.astype(jnp.float32)
+  if not _along_last(shape, block_size):
+    flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
+  return flat.reshape(blocks)
+
+
+def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
+             count: jax.Array, never_zero: bool = True,
+             scales: jax.Array | None = None) -> QuantizedArray:
+  """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype).
+
+  The stochastic rounding draws from :func:`dither` of coded leaf number
+  ``leaf`` at update ``count``; ``never_zero`` as :class:`QuantizedArray`'s;
+  ``scales`` as :func:`jmp_lite._src.optim.codes.encode`'s.
+  """
+  shape = tuple(x.shape)
+  blocks = _blocked_shape(shape, block_size)
+  along_last = _along_last(shape, block_size)
+  # The codes keep the leaf's shape (its last axis over the codes a byte) when blocked
+  # along it, else the blocks' shape.
+  per_byte = codes_lib.codes_per_byte(fmt)
+  stored = (shape[:-1] + (shape[-1] // per_byte,) if along_last
+            else blocks[:-1] + (block_size // per_byte,))
+  if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
+    return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
+                          shape, np.dtype(x.dtype), fmt, block_size, never_zero)
+  codes, scales = codes_lib.encode(as_blocks(x, block_size), fmt, dither(blocks, leaf, count),
+                                   never_zero, scales)
+  return QuantizedArray(codes.reshape(stored), scales, shape, np.dtype(x.dtype), fmt, block_size,
+                        never_zero)
+
+
+def _zeros_on_one_device(x: jax.Array) -> bool:
+  """Whether ``x`` is a concrete array of zeros on one device (a freshly made moment).
+
+  Zeros code to zero codes and zero scales in every format; making those
+  directly spares ``init`` an eager dispatch of each op of the encode. Traced
+  and sharded arrays take the encode, whose output follows their sharding.
+  The test is a reduction on the device, so only a bool leaves it (run
+  eagerly also inside an outer trace that closes over ``x``).
+  """
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return False
+  if len(x.sharding.device_set) != 1:
+    return False
+  with jax.ensure_compile_time_eval():
+    return not bool(jnp.any(x))

@@ -1,0 +1,85 @@
+"""An update run in passes, so that XLA keeps no float32 copy of the new state.
+
+Coding a new state needs each block's largest value before any element of
+it can be coded: a reduction, then an element-wise pass that reads the
+reduction. Written once, XLA computes the new state in the reduction's
+fusion and keeps it, in float32, for the coding fusion: one float32 buffer
+of every coded leaf, twice optax's own AdamW update's temp on an H100
+(``benchmarks.optim_state``). Run in passes, the update is computed again
+where it is needed, from the same inputs:
+
+  1. the update, reduced to what the coding needs (the block scales);
+  2. behind an ``optimization_barrier`` (which keeps XLA from merging it with
+     pass 1), the update again: its updates, and its new state coded with
+     pass 1's scales, in one element-wise fusion;
+  3. only when the codes are packed two to a byte (``"int4"``), whose fusion
+     reads two elements for each byte and which XLA does not merge with the
+     element-wise fusion of the updates: the new state once more, behind a
+     barrier of its own.
+
+Each pass reads the coded state, the gradients and what else the update
+reads; none writes a float32 state. The passes cost arithmetic (the update
+is cheap next to its memory traffic) and trace the inner update two or three
+times.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+
+def _split_arrays(tree: Any) -> tuple[list[Any], tuple[Any, list[Any]]]:
+  """``tree``'s JAX arrays, and the rest of it (what :func:`_join_arrays` needs)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [x for x in leaves if isinstance(x, jax.Array)]
+  return arrays, (treedef, [None if isinstance(x, jax.Array) else x for x in leaves])
+
+
+def _join_arrays(arrays: list[Any], rest: tuple[Any, list[Any]]) -> Any:
+  """The tree :func:`_split_arrays` split, with ``arrays`` in place of its arrays."""
+  treedef, leaves = rest
+  it = iter(arrays)
+  return jax.tree.unflatten(treedef, [next(it) if x is None else x for x in leaves])
+
+
+def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any, params: Any,
+                  extra_args: Any, reduce: Callable[[Any], Any],
+                  separate_state: bool) -> tuple[Any, Any, Any]:
+  """``run(state, updates, params, extra_args)`` in passes (module docstring).
+
+  Args:
+    run: the update, ``(state, updates, params, extra_args) -> (updates,
+      new_state)``; pure, so that its passes agree.
+    state, updates, params, extra_args: its arguments.
+    reduce: what the coding of the new state needs of it (its block scales).
+    separate_state: whether the new state gets a pass of its own (pass 3).
+
+  Returns:
+    ``(updates, new_state, reduce(new_state))``: pass 2's updates, the new
+    state of pass 2 (or 3), which the caller codes with pass 1's reduction.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> run = lambda s, u, p, e: (u * 2, s + u)
+    >>> out = jax.jit(lambda s, u: run_in_passes(run, s, u, None, {}, jnp.max, False))(
+    ...     jnp.ones(3), jnp.arange(3.0))
+    >>> [x.tolist() for x in out]
+    [[0.0, 2.0, 4.0], [1.0, 2.0, 3.0], 3.0]
+  """
+  reduced = reduce(run(state, updates, params, extra_args)[1])
+  # The params stay out of the barriers: a barrier holding them would keep them alive
+  # while the caller's apply_updates overwrites them in place (XLA would copy them).
+  arrays, rest = _split_arrays((state, updates, extra_args))
+  arrays, reduced = jax.lax.optimization_barrier((arrays, reduced))
+  updates_out, new_state = run(*_with_params(_join_arrays(arrays, rest), params))
+  if separate_state:
+    again = _join_arrays(jax.lax.optimization_barrier(arrays), rest)
+    new_state = run(*_with_params(again, params))[1]
+  return updates_out, new_state, reduced
+
+
+def _with_params(args: tuple[Any, Any, Any], params: Any) -> tuple[Any, Any, Any, Any]:
+  state, updates, extra_args = args
+  return state, updates, params, extra_args
