@@ -205,6 +205,24 @@ def test_eager_init_codes_zero_moments_as_the_traced_encode_does(fmt):
   assert any(q.codes.size for q in quantized_leaves(eager))
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, "int4"])
+def test_the_jitted_update_in_passes_codes_as_the_eager_one(fmt):
+  """Under jit the update runs in passes (scales, then codes); eagerly once: the same state."""
+  k1, k2 = jax.random.split(jax.random.key(3))
+  params = {"w": jax.random.normal(k1, (8, 256)), "odd": jax.random.normal(k2, (3, 5))}
+  tx = jmp.quantize_state(optax.adamw(1e-2), fmt, min_size=0)
+  eager = jitted = tx.init(params)
+  for t in range(3):
+    grads = jax.tree.map(lambda p: jnp.cos(p * (t + 1)), params)
+    u_eager, eager = tx.update(grads, eager, params)
+    u_jit, jitted = jax.jit(tx.update)(grads, jitted, params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9),
+                 u_eager, u_jit)
+  for a, b in zip(quantized_leaves(eager), quantized_leaves(jitted)):
+    np.testing.assert_allclose(a.scales, b.scales, rtol=1e-6)
+    assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 0.002
+
+
 def test_a_skipped_step_leaves_codes_and_scales_bitwise_unchanged():
   tx = jmp.dynamic_loss_scaling(jmp.quantize_state(optax.adam(1e-2), min_size=0, block_size=32))
   state = jmp.TrainState.create(params=mlp_params(), tx=tx)

@@ -90,7 +90,7 @@ def test_packed_codes_describe_the_leaf(shape, codes_shape, scales_shape):
   assert (q.codes.shape, q.codes.dtype, q.scales.shape) == (codes_shape, jnp.uint8, scales_shape)
   assert q.shape == shape and q.dequantize().shape == shape
   np.testing.assert_array_equal(np.asarray(q.dequantize()), x)
-  v = np.abs(x) + np.float32(2.0**-8 * 3.0) * (np.abs(x) == 0)  # v's code: 2**-8 .. 1
+  v = np.abs(x) + np.float32(codes4.FLOOR * 3.0) * (np.abs(x) == 0)  # v's code: 2**-8 .. 1
   np.testing.assert_array_equal(
       np.asarray(coded_lib.quantize(jnp.asarray(v), "int4", 128, 1, 3).dequantize()), v)
 
@@ -122,7 +122,7 @@ def test_encode_decode_is_unbiased(block):
   # Within the codes' range each draw is one of x's two neighbouring levels and their
   # mean is x, within 5 standard errors and 2e-3 of the block's largest (the draws'
   # noise); under the non-negative code's floor (2**-8) values round up, not without bias.
-  inside = jnp.abs(x) >= (2.0**-8 if block == "non-negative" else 0.0) * largest
+  inside = jnp.abs(x) >= (codes4.FLOOR if block == "non-negative" else 0.0) * largest
   error = jnp.where(inside, jnp.abs(mean - x) - 5 * std / np.sqrt(draws) - 2e-3 * largest, 0.0)
   assert float(jnp.max(error)) <= 0.0
   one_error = jnp.mean(jnp.abs(q.dequantize() - x))
@@ -137,13 +137,16 @@ def test_v_never_decodes_to_zero_and_zero_stays_zero():
     assert bool(jnp.all(q[1, 1:] == 0)) and float(q[1, 0]) == -1.0
 
 
-def test_a_decaying_momentum_decays_to_exactly_zero():
-  # Signed gradients; odd columns get 0 after step 100, even ones keep the block's scale.
+@pytest.mark.parametrize("low", [-1.0, 0.5], ids=["signed", "non-negative"])
+def test_a_decaying_momentum_decays_to_exactly_zero(low):
+  # Gradients in [low, 1]; odd columns get 0 after step 100, even ones keep the block's
+  # scale. With positive gradients every block is non-negative: a momentum there (not a
+  # leaf the update divides by) rounds to 0 or the smallest level, not up to that level.
   params = {"w": jnp.zeros((8, 256))}
   live = jnp.arange(256) % 2 == 0
 
   def grads(t, p):
-    return {"w": _noise(t, (8, 256), -1.0, 1.0) * jnp.where(live | (t < 100), 1.0, 0.0)}
+    return {"w": _noise(t, (8, 256), low, 1.0) * jnp.where(live | (t < 100), 1.0, 0.0)}
 
   def moved(tx):
     return _scan(tx, params, grads, 600, lambda u, s: jnp.mean(jnp.abs(u["w"][:, 1::2])))

@@ -225,7 +225,7 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,
   y = x * jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
   u = (bits >> 8).astype(jnp.float32) * _U24
   if fmt == "int4":
-    codes = codes4.encode(y, signed, u)
+    codes = codes4.encode(y, signed, u, never_zero)
   else:
     signed_code = _encode_e4m3 if fmt == "float8" else _encode_companded
     non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u, never_zero).astype(jnp.uint8)

@@ -20,7 +20,7 @@ where it is needed, from the same inputs:
 Each pass reads the coded state, the gradients and what else the update
 reads; none writes a float32 state. The passes cost arithmetic (the update
 is cheap next to its memory traffic) and trace the inner update two or three
-times.
+times. Only traced updates (under ``jit``) run in passes (:func:`traced`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ def _join_arrays(arrays: list[Any], rest: tuple[Any, list[Any]]) -> Any:
   treedef, leaves = rest
   it = iter(arrays)
   return jax.tree.unflatten(treedef, [next(it) if x is None else x for x in leaves])
+
+
+def traced(tree: Any) -> bool:
+  """Whether a leaf of ``tree`` is traced (under ``jit``, ``vmap``, ``grad``...).
+
+  Run eagerly, every operation writes its own buffer and passes would only
+  repeat work: the caller runs the update once.
+  """
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any, params: Any,

@@ -199,11 +199,12 @@ def quantize_state(
     updates, state = tx.update(grads, state, params)
     codes, scales  = encode(state)           # max |x| per block of block_size
 
-  It runs in passes (one for the scales, one for the updates and codes, and
-  for ``"int4"`` one more for the codes), so that XLA keeps no float32 copy
-  of the new state: on an H100 the update's temp is under optax's own AdamW
-  update's (``benchmarks.optim_state``). The inner update is traced two or
-  three times, so a print or callback in it runs that many times.
+  Traced (under ``jit``), it runs in passes (one for the scales, one for
+  the updates and codes, and for ``"int4"`` one more for the codes), so that
+  XLA keeps no float32 copy of the new state: on an H100 the update's temp
+  is under optax's own AdamW update's (``benchmarks.optim_state``). The inner
+  update is then traced two or three times, so a print or callback in it
+  runs that many times. Run eagerly, it runs once.
 
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
@@ -217,7 +218,7 @@ def quantize_state(
   of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
   a signed block as a sign and ``0, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4, 1`` of
   ``a``, a non-negative one as ``2**-8 .. 1`` of ``a`` (never 0 for a
-  non-zero value).
+  non-zero value of a leaf the update divides by).
 
   Args:
     tx: the optax transformation whose state is stored (adam, adamw, lion,
@@ -326,6 +327,9 @@ def quantize_state(
     if not any(map(_is_quantized, jax.tree.leaves(old, is_leaf=_is_quantized))):
       updates, inner = run(old, updates, params, extra_args)
       return updates, QuantizedState(inner, state.step + 1)
+    if not passes.traced((updates, old)):  # eagerly, each op is its own buffer anyway
+      updates, inner = run(old, updates, params, extra_args)
+      return updates, QuantizedState(_requantize(old, inner, state.step), state.step + 1)
     # In passes, so that XLA keeps no float32 copy of the new state (passes.py).
     updates, inner, scales = passes.run_in_passes(
         run, old, updates, params, extra_args, lambda new: _new_scales(old, new), _packs(old))
