@@ -15,6 +15,7 @@ from flax import nnx
 import jmp_lite as jmp
 from jmp_lite._src.optim import codes as codes_lib
 from jmp_lite._src.optim import coded as coded_lib
+from jmp_lite._src.optim import passes
 from conftest import assert_bitwise_equal
 
 FORMATS = ["int8", "float8"]
@@ -209,7 +210,8 @@ def test_eager_init_codes_zero_moments_as_the_traced_encode_does(fmt):
 def test_the_jitted_update_in_passes_codes_as_the_eager_one(fmt):
   """Under jit the update runs in passes (scales, then codes); eagerly once: the same state."""
   k1, k2 = jax.random.split(jax.random.key(3))
-  params = {"w": jax.random.normal(k1, (8, 256)), "odd": jax.random.normal(k2, (3, 5))}
+  params = {"w": jax.random.normal(k1, (256, 256)), "odd": jax.random.normal(k2, (3, 5))}
+  assert 2 * 256 * 256 >= passes.MIN_ELEMENTS  # the two moments: enough for passes
   tx = jmp.quantize_state(optax.adamw(1e-2), fmt, min_size=0)
   eager = jitted = tx.init(params)
   for t in range(3):
@@ -221,6 +223,15 @@ def test_the_jitted_update_in_passes_codes_as_the_eager_one(fmt):
   for a, b in zip(quantized_leaves(eager), quantized_leaves(jitted)):
     np.testing.assert_allclose(a.scales, b.scales, rtol=1e-6)
     assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 0.002
+
+
+@pytest.mark.parametrize("fmt,rows,barriers", [("int8", 256, 1), ("int4", 256, 2),
+                                                ("int8", 8, 0)])
+def test_a_large_state_updates_in_passes_a_small_one_once(fmt, rows, barriers):
+  params = {"w": jnp.ones((rows, 256))}
+  tx = jmp.quantize_state(optax.adam(1e-3), fmt, min_size=0)
+  jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+  assert jaxpr.count("optimization_barrier") == barriers
 
 
 def test_a_skipped_step_leaves_codes_and_scales_bitwise_unchanged():

@@ -20,7 +20,8 @@ where it is needed, from the same inputs:
 Each pass reads the coded state, the gradients and what else the update
 reads; none writes a float32 state. The passes cost arithmetic (the update
 is cheap next to its memory traffic) and trace the inner update two or three
-times. Only traced updates (under ``jit``) run in passes (:func:`traced`).
+times. Only traced updates (under ``jit``) of at least :data:`MIN_ELEMENTS`
+coded elements run in passes (:func:`worth_it`).
 """
 
 from __future__ import annotations
@@ -44,13 +45,22 @@ def _join_arrays(arrays: list[Any], rest: tuple[Any, list[Any]]) -> Any:
   return jax.tree.unflatten(treedef, [next(it) if x is None else x for x in leaves])
 
 
-def traced(tree: Any) -> bool:
-  """Whether a leaf of ``tree`` is traced (under ``jit``, ``vmap``, ``grad``...).
+# Coded elements under which the update runs once: the float32 copy of the new state
+# it saves is at most 256 KiB, and the passes would double the update's trace and compile
+# time (optax's alias tests, thousands of small programs, take measurably longer).
+MIN_ELEMENTS = 2**16
 
-  Run eagerly, every operation writes its own buffer and passes would only
-  repeat work: the caller runs the update once.
+
+def worth_it(elements: int, args: Any) -> bool:
+  """Whether an update of ``elements`` coded elements, given ``args``, should run in passes.
+
+  Only traced (under ``jit``, ``vmap``, ``grad``: a leaf of ``args`` is a
+  tracer), where XLA fuses; run eagerly, every operation writes its own
+  buffer and passes would only repeat work. And only for at least
+  :data:`MIN_ELEMENTS` coded elements.
   """
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+  return traced and elements >= MIN_ELEMENTS
 
 
 def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any, params: Any,

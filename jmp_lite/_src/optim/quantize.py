@@ -204,7 +204,8 @@ def quantize_state(
   XLA keeps no float32 copy of the new state: on an H100 the update's temp
   is under optax's own AdamW update's (``benchmarks.optim_state``). The inner
   update is then traced two or three times, so a print or callback in it
-  runs that many times. Run eagerly, it runs once.
+  runs that many times. Run eagerly, or on a state of under 2**16 coded
+  elements (whose float32 copy is at most 256 KiB), it runs once.
 
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
@@ -324,10 +325,9 @@ def quantize_state(
       return inner_tx.update(updates, dequantize_tree(old), params, **extra_args)
 
     old = state.inner
-    if not any(map(_is_quantized, jax.tree.leaves(old, is_leaf=_is_quantized))):
-      updates, inner = run(old, updates, params, extra_args)
-      return updates, QuantizedState(inner, state.step + 1)
-    if not passes.traced((updates, old)):  # eagerly, each op is its own buffer anyway
+    elements = sum(int(np.prod(q.shape)) for q in jax.tree.leaves(old, is_leaf=_is_quantized)
+                   if _is_quantized(q))
+    if not passes.worth_it(elements, (updates, old)):
       updates, inner = run(old, updates, params, extra_args)
       return updates, QuantizedState(_requantize(old, inner, state.step), state.step + 1)
     # In passes, so that XLA keeps no float32 copy of the new state (passes.py).
