@@ -47,11 +47,11 @@ def test_persistent_bytes_from_shapes_only():
                     reason=str(gpu_compile.plugin_missing()))
 @pytest.mark.parametrize("variant", ["int8", "float8", "int4"])
 def test_the_h100_update_holds_no_float32_copy_of_the_state(variant):
-  # One 1024 x 1024 matrix and a bias: optax's AdamW update holds one float32 buffer of the
-  # matrix (4 MiB). Before the update's two passes (block scales, then the codes), the coded
-  # update held the new mu and nu in float32 (8 MiB); with int4's packing also a copy of the
-  # params.
+  # A 1024 x 1024 matrix, a 4096 x 256 embedding and a bias: optax's AdamW update holds one
+  # float32 buffer of the largest (4 MiB). Before the update ran in passes (block scales,
+  # updates, codes), the coded update held the new mu and nu in float32 (16 MiB).
   params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+            "embed": jax.ShapeDtypeStruct((4096, 256), jnp.float32),
             "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
   adamw = optim_state.h100_update("adamw", params)["temp_bytes"]
   coded = optim_state.h100_update(variant, params)["temp_bytes"]

@@ -225,7 +225,7 @@ def test_the_jitted_update_in_passes_codes_as_the_eager_one(fmt):
     assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 0.002
 
 
-@pytest.mark.parametrize("fmt,rows,barriers", [("int8", 256, 1), ("int4", 256, 2),
+@pytest.mark.parametrize("fmt,rows,barriers", [("int8", 256, 2), ("int4", 256, 2),
                                                 ("int8", 8, 0)])
 def test_a_large_state_updates_in_passes_a_small_one_once(fmt, rows, barriers):
   params = {"w": jnp.ones((rows, 256))}

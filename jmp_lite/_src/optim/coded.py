@@ -69,9 +69,9 @@ class QuantizedArray:
 
   def dequantize(self) -> jax.Array:
     """The leaf in its own dtype and shape."""
-    blocks = _blocked_shape(self.shape, self.block_size)
-    packed = blocks[:-1] + (blocks[-1] // codes_lib.codes_per_byte(self.format),)
-    x = codes_lib.decode(self.codes.reshape(packed), self.scales, self.format)
+    work = _work_shape(_blocked_shape(self.shape, self.block_size))
+    packed = work[:-1] + (work[-1] // codes_lib.codes_per_byte(self.format),)
+    x = codes_lib.decode(self.codes.reshape(packed), self.scales.reshape(work[:-1]), self.format)
     if _along_last(self.shape, self.block_size):
       return x.reshape(self.shape).astype(self.dtype)
     return x.reshape(-1)[: int(np.prod(self.shape))].reshape(self.shape).astype(self.dtype)
@@ -108,6 +108,18 @@ def dither(shape: tuple[int, ...], leaf: int, count: jax.Array) -> jax.Array:
   return phase + jnp.asarray(count).astype(jnp.uint32) * np.uint32(0x9E3779B9)
 
 
+def _work_shape(blocks: tuple[int, ...]) -> tuple[int, ...]:
+  """The blocks' shape for the arithmetic: without the blocks axis where it is 1.
+
+  A leaf whose last axis is one block (an embedding of width 256) has blocks
+  ``(rows, 1, 256)``. Coded in that shape, XLA:GPU wrote its new state to a
+  float32 buffer before coding it (an update temp of twice optax AdamW's);
+  as ``(rows, 256)`` it fuses. Same elements in the same order, so the same
+  draws (:func:`dither` hashes the flat index) and bitwise the same codes.
+  """
+  return blocks[:-2] + blocks[-1:] if len(blocks) > 2 and blocks[-2] == 1 else blocks
+
+
 def as_blocks(x: jax.Array, block_size: int) -> jax.Array:
   """``x`` in float32 as blocks: its last axis split, or flattened and zero-padded."""
   shape = tuple(x.shape)
@@ -115,7 +127,7 @@ def as_blocks(x: jax.Array, block_size: int) -> jax.Array:
   flat = x.astype(jnp.float32)
   if not _along_last(shape, block_size):
     flat = jnp.pad(flat.reshape(-1), (0, int(np.prod(blocks)) - flat.size))
-  return flat.reshape(blocks)
+  return flat.reshape(_work_shape(blocks))
 
 
 def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
@@ -138,10 +150,11 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
     return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
                           shape, np.dtype(x.dtype), fmt, block_size, never_zero)
-  codes, scales = codes_lib.encode(as_blocks(x, block_size), fmt, dither(blocks, leaf, count),
-                                   never_zero, scales)
-  return QuantizedArray(codes.reshape(stored), scales, shape, np.dtype(x.dtype), fmt, block_size,
-                        never_zero)
+  work = _work_shape(blocks)
+  codes, scales = codes_lib.encode(as_blocks(x, block_size), fmt, dither(work, leaf, count),
+                                   never_zero, None if scales is None else scales.reshape(work[:-1]))
+  return QuantizedArray(codes.reshape(stored), scales.reshape(blocks[:-1]), shape,
+                        np.dtype(x.dtype), fmt, block_size, never_zero)
 
 
 def _zeros_on_one_device(x: jax.Array) -> bool:

@@ -10,16 +10,23 @@ where it is needed, from the same inputs:
 
   1. the update, reduced to what the coding needs (the block scales);
   2. behind an ``optimization_barrier`` (which keeps XLA from merging it with
-     pass 1), the update again: its updates, and its new state coded with
-     pass 1's scales, in one element-wise fusion;
-  3. only when the codes are packed two to a byte (``"int4"``), whose fusion
-     reads two elements for each byte and which XLA does not merge with the
-     element-wise fusion of the updates: the new state once more, behind a
-     barrier of its own.
+     pass 1), the update again, for its updates (which the caller's
+     ``apply_updates`` consumes in the same fusion);
+  3. behind a barrier of its own, the new state once more, coded with pass
+     1's scales.
+
+Codes in their own pass fuse where codes computed with the updates did not:
+packed two to a byte (``"int4"``), or a leaf's blocks laid out unlike the
+leaf, XLA wrote the new state to a float32 buffer first; and with several
+leaves XLA's cost model sometimes did so for plain layouts too (the
+benchmark LSTM's embedding, 2.0x optax AdamW's temp with the codes in pass 2,
+0.04x in pass 3). Pass 3 writes the new codes over the old ones, which pass
+2 reads, so XLA keeps a copy of a leaf's old codes (a quarter of a float32
+copy in 8 bits, an eighth in 4).
 
 Each pass reads the coded state, the gradients and what else the update
 reads; none writes a float32 state. The passes cost arithmetic (the update
-is cheap next to its memory traffic) and trace the inner update two or three
+is cheap next to its memory traffic) and trace the inner update three
 times. Only traced updates (under ``jit``) of at least :data:`MIN_ELEMENTS`
 coded elements run in passes (:func:`worth_it`).
 """
@@ -64,8 +71,7 @@ def worth_it(elements: int, args: Any) -> bool:
 
 
 def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any, params: Any,
-                  extra_args: Any, reduce: Callable[[Any], Any],
-                  separate_state: bool) -> tuple[Any, Any, Any]:
+                  extra_args: Any, reduce: Callable[[Any], Any]) -> tuple[Any, Any, Any]:
   """``run(state, updates, params, extra_args)`` in passes (module docstring).
 
   Args:
@@ -73,16 +79,15 @@ def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any,
       new_state)``; pure, so that its passes agree.
     state, updates, params, extra_args: its arguments.
     reduce: what the coding of the new state needs of it (its block scales).
-    separate_state: whether the new state gets a pass of its own (pass 3).
 
   Returns:
-    ``(updates, new_state, reduce(new_state))``: pass 2's updates, the new
-    state of pass 2 (or 3), which the caller codes with pass 1's reduction.
+    ``(updates, new_state, reduce(new_state))``: pass 2's updates and pass
+    3's new state, which the caller codes with pass 1's reduction.
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> run = lambda s, u, p, e: (u * 2, s + u)
-    >>> out = jax.jit(lambda s, u: run_in_passes(run, s, u, None, {}, jnp.max, False))(
+    >>> out = jax.jit(lambda s, u: run_in_passes(run, s, u, None, {}, jnp.max))(
     ...     jnp.ones(3), jnp.arange(3.0))
     >>> [x.tolist() for x in out]
     [[0.0, 2.0, 4.0], [1.0, 2.0, 3.0], 3.0]
@@ -92,10 +97,9 @@ def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any,
   # while the caller's apply_updates overwrites them in place (XLA would copy them).
   arrays, rest = _split_arrays((state, updates, extra_args))
   arrays, reduced = jax.lax.optimization_barrier((arrays, reduced))
-  updates_out, new_state = run(*_with_params(_join_arrays(arrays, rest), params))
-  if separate_state:
-    again = _join_arrays(jax.lax.optimization_barrier(arrays), rest)
-    new_state = run(*_with_params(again, params))[1]
+  updates_out = run(*_with_params(_join_arrays(arrays, rest), params))[0]
+  again = _join_arrays(jax.lax.optimization_barrier(arrays), rest)
+  new_state = run(*_with_params(again, params))[1]
   return updates_out, new_state, reduced
 
 

@@ -126,12 +126,6 @@ def _requantize(old: Any, new: Any, count: jax.Array,
   return jax.tree.unflatten(treedef, out)
 
 
-def _packs(tree: Any) -> bool:
-  """Whether a :class:`QuantizedArray` of ``tree`` stores two codes a byte."""
-  return any(codes_lib.codes_per_byte(q.format) > 1
-             for q in jax.tree.leaves(tree, is_leaf=_is_quantized) if _is_quantized(q))
-
-
 def _is_variable(x: Any) -> bool:
   """Whether ``x`` is a flax NNX ``Variable`` (without importing flax)."""
   variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)
@@ -200,10 +194,10 @@ def quantize_state(
     codes, scales  = encode(state)           # max |x| per block of block_size
 
   Traced (under ``jit``), it runs in passes (one for the scales, one for
-  the updates and codes, and for ``"int4"`` one more for the codes), so that
+  the updates, one for the codes), so that
   XLA keeps no float32 copy of the new state: on an H100 the update's temp
   is under optax's own AdamW update's (``benchmarks.optim_state``). The inner
-  update is then traced two or three times, so a print or callback in it
+  update is then traced three times, so a print or callback in it
   runs that many times. Run eagerly, or on a state of under 2**16 coded
   elements (whose float32 copy is at most 256 KiB), it runs once.
 
@@ -332,7 +326,7 @@ def quantize_state(
       return updates, QuantizedState(_requantize(old, inner, state.step), state.step + 1)
     # In passes, so that XLA keeps no float32 copy of the new state (passes.py).
     updates, inner, scales = passes.run_in_passes(
-        run, old, updates, params, extra_args, lambda new: _new_scales(old, new), _packs(old))
+        run, old, updates, params, extra_args, lambda new: _new_scales(old, new))
     return updates, QuantizedState(_requantize(old, inner, state.step, scales), state.step + 1)
 
   return optax.GradientTransformationExtraArgs(init, update)
