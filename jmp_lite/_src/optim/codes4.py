@@ -44,8 +44,8 @@ Adam's ``v``) rounds up to the smallest level (biased up, the safe side for
 anew at every update and wanders by a few of its code's steps, so finer
 steps lower the drift; at 4 bits they cost range. Screened on the 13
 problems of ``benchmarks.optim_oracle`` (two seeds each), geometric codes
-of 1.22-1.30x steps (floors 0.02-0.10 of the block's largest ``v``) lowered
-the worst drift over torchao's ``AdamW4bit`` from 1.06x to 0.95-1.00x, and
+of 1.22-1.30x steps (floors 0.03-0.06 of the block's largest ``v``) lowered
+the worst drift over torchao's ``AdamW4bit`` from 1.06x to 0.96-1.00x, and
 raised the final held-out losses: 2**(1/3) steps (floor 0.039) ended the
 CNN problems 15-19% and the digits MLP 8% above float32 AdamW's (this code:
 within 0.4%, 1.1% and 3.3%), since every ``v`` under the floor reads as the
