@@ -37,20 +37,8 @@ from typing import Any, Callable
 
 import jax
 
-
-def _split_arrays(tree: Any) -> tuple[list[Any], tuple[Any, list[Any]]]:
-  """``tree``'s JAX arrays, and the rest of it (what :func:`_join_arrays` needs)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  arrays = [x for x in leaves if isinstance(x, jax.Array)]
-  return arrays, (treedef, [None if isinstance(x, jax.Array) else x for x in leaves])
-
-
-def _join_arrays(arrays: list[Any], rest: tuple[Any, list[Any]]) -> Any:
-  """The tree :func:`_split_arrays` split, with ``arrays`` in place of its arrays."""
-  treedef, leaves = rest
-  it = iter(arrays)
-  return jax.tree.unflatten(treedef, [next(it) if x is None else x for x in leaves])
-
+from jmp_lite._src import checks
+from jmp_lite._src import filtering
 
 # Coded elements under which the update runs once: the float32 copy of the new state
 # it saves is at most 256 KiB, and the passes would double the update's trace and compile
@@ -66,8 +54,7 @@ def worth_it(elements: int, args: Any) -> bool:
   buffer and passes would only repeat work. And only for at least
   :data:`MIN_ELEMENTS` coded elements.
   """
-  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
-  return traced and elements >= MIN_ELEMENTS
+  return elements >= MIN_ELEMENTS and any(map(checks.is_traced, jax.tree.leaves(args)))
 
 
 def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any, params: Any,
@@ -95,14 +82,10 @@ def run_in_passes(run: Callable[..., tuple[Any, Any]], state: Any, updates: Any,
   reduced = reduce(run(state, updates, params, extra_args)[1])
   # The params stay out of the barriers: a barrier holding them would keep them alive
   # while the caller's apply_updates overwrites them in place (XLA would copy them).
-  arrays, rest = _split_arrays((state, updates, extra_args))
+  # Static leaves (a Python number among the extra arguments) stay out of them too.
+  arrays, spec = filtering.partition((state, updates, extra_args))
   arrays, reduced = jax.lax.optimization_barrier((arrays, reduced))
-  updates_out = run(*_with_params(_join_arrays(arrays, rest), params))[0]
-  again = _join_arrays(jax.lax.optimization_barrier(arrays), rest)
-  new_state = run(*_with_params(again, params))[1]
-  return updates_out, new_state, reduced
-
-
-def _with_params(args: tuple[Any, Any, Any], params: Any) -> tuple[Any, Any, Any, Any]:
-  state, updates, extra_args = args
-  return state, updates, params, extra_args
+  state, updates, extra_args = filtering.combine(arrays, spec)
+  updates_out = run(state, updates, params, extra_args)[0]
+  state, updates, extra_args = filtering.combine(jax.lax.optimization_barrier(arrays), spec)
+  return updates_out, run(state, updates, params, extra_args)[1], reduced
