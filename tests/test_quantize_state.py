@@ -225,6 +225,25 @@ def test_the_jitted_update_in_passes_codes_as_the_eager_one(fmt):
     assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 0.002
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, "int4"])
+@pytest.mark.parametrize("shape", [(12, 4, 64), (30, 30), (3, 3, 8, 16), (2, 512)])
+def test_a_leaf_codes_as_its_blocks_do(fmt, shape):
+  """quantize codes each element in the leaf's own shape (for the fusion); the blocks'
+  encode (padded, flattened or split along the last axis) is the reference."""
+  x = jax.random.normal(jax.random.key(sum(shape)), shape) * jnp.linspace(1e-4, 2.0, shape[-1])
+  first_half = jnp.arange(x.size).reshape(shape) < x.size // 2
+  x = jnp.where(first_half, jnp.abs(x), x)  # non-negative blocks, then signed ones
+  block = codes_lib.DEFAULT_BLOCK_SIZE[fmt]
+  for never_zero in (True, False):
+    q = coded_lib.quantize(x, fmt, block, 5, jnp.uint32(7), never_zero)
+    blocks = coded_lib.as_blocks(x, block)
+    codes, scales = codes_lib.encode(blocks, fmt, coded_lib.dither(blocks.shape, 5, jnp.uint32(7)),
+                                     never_zero)
+    assert np.array_equal(q.codes.reshape(codes.shape), codes)
+    assert np.array_equal(q.scales.reshape(scales.shape), scales)
+    assert (q.codes.reshape(-1) != 0).any() and (scales > 0).any() and (scales < 0).any()
+
+
 @pytest.mark.parametrize("fmt,rows,barriers", [("int8", 256, 2), ("int4", 256, 2),
                                                 ("int8", 8, 0)])
 def test_a_large_state_updates_in_passes_a_small_one_once(fmt, rows, barriers):

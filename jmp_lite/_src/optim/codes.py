@@ -196,8 +196,8 @@ def block_scales(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.min(x, axis=-1) < 0, -a, a)
 
 
-def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,
-           scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True
+           ) -> tuple[jax.Array, jax.Array]:
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
   Args:
@@ -209,9 +209,6 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,
     never_zero: a non-zero value of a non-negative block never codes 0 (for a
       leaf the update divides by); otherwise one under the smallest code rounds
       to it or to 0 without bias.
-    scales: the blocks' :func:`block_scales`, when the caller has them (from
-      another computation of the same ``x``); a value beyond its block's
-      scale codes as the scale's.
 
   Returns:
     ``(codes, scales)``: uint8 codes of ``x``'s shape (for ``"int4"``, two a
@@ -219,18 +216,33 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,
     shape ``x.shape[:-1]``: the block's largest ``|x|``, negated for a block
     coded with the signed code.
   """
+  scales = block_scales(x)
+  codes = encode_elements(x, scales[..., None], fmt, bits, never_zero)
+  return (codes4.pack(codes) if fmt == "int4" else codes), scales
+
+
+def encode_elements(x: jax.Array, scales: jax.Array, fmt: str, bits: jax.Array,
+                    never_zero: bool = True) -> jax.Array:
+  """The codes of float32 values ``x``, each given its block's scale: element-wise.
+
+  :func:`encode` without the reduction: ``scales`` (from
+  :func:`block_scales`) broadcasts against ``x``, so the caller can code in
+  any layout of the elements, such as the leaf's own shape. A value beyond
+  its block's scale codes as the scale's.
+
+  Returns:
+    the codes, of ``x``'s shape: uint8 for the 8-bit formats, int32 codes in
+    ``[0, 15]`` for ``"int4"`` (unpacked; :func:`codes4.pack` packs them).
+  """
   x = x.astype(jnp.float32)
-  scales = block_scales(x) if scales is None else scales
-  a, signed = jnp.abs(scales)[..., None], (scales < 0)[..., None]
+  a, signed = jnp.abs(scales), scales < 0
   y = x * jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
   u = (bits >> 8).astype(jnp.float32) * _U24
   if fmt == "int4":
-    codes = codes4.encode(y, signed, u, never_zero)
-  else:
-    signed_code = _encode_e4m3 if fmt == "float8" else _encode_companded
-    non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u, never_zero).astype(jnp.uint8)
-    codes = jnp.where(signed, _signed_to_bits(signed_code(y, u)), non_negative)
-  return codes, scales
+    return codes4.encode(y, signed, u, never_zero)
+  signed_code = _encode_e4m3 if fmt == "float8" else _encode_companded
+  non_negative = _encode_non_negative(jnp.maximum(y, 0.0), u, never_zero).astype(jnp.uint8)
+  return jnp.where(signed, _signed_to_bits(signed_code(y, u)), non_negative)
 
 
 def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:

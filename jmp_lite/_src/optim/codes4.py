@@ -109,15 +109,16 @@ FLOOR = 2.0**-8  # The non-negative code's smallest non-zero level.
 
 
 def encode(y: jax.Array, signed: jax.Array, u: jax.Array, never_zero: bool = True) -> jax.Array:
-  """Packed 4-bit codes of blocks ``y`` already divided by their largest ``|x|``.
+  """4-bit codes of values ``y`` already divided by their block's largest ``|x|``.
 
-  :func:`jmp_lite._src.optim.codes.encode` computes the block's scale, its
-  mode and the uniform draws, as for the 8-bit formats, and calls this.
+  :func:`jmp_lite._src.optim.codes.encode_elements` computes the block's
+  scale, its mode and the uniform draws, as for the 8-bit formats, and
+  calls this; :func:`pack` puts two codes in a byte.
 
   Args:
-    y: float32 blocks ``(..., blocks, block_size)`` in ``[-1, 1]``;
-      ``block_size`` is even.
-    signed: bool ``(..., blocks, 1)``: the blocks coded with the signed code.
+    y: float32 values in ``[-1, 1]``.
+    signed: bool, broadcasting against ``y``: the values of blocks coded with
+      the signed code.
     u: uniform draws in ``[0, 1)`` of ``y``'s shape.
     never_zero: a non-zero value of a non-negative block never codes 0 (it
       rounds up to the smallest level: a leaf the update divides by);
@@ -125,20 +126,20 @@ def encode(y: jax.Array, signed: jax.Array, u: jax.Array, never_zero: bool = Tru
       without bias, as in a signed block.
 
   Returns:
-    uint8 of shape ``(..., blocks, block_size // 2)``, two codes a byte.
+    int32 codes in ``[0, 15]``, of ``y``'s shape.
 
   Examples:
     >>> import jax.numpy as jnp, numpy as np
     >>> y = jnp.array([[0.0, 0.5, -1.0, 0.25]])
-    >>> codes = encode(y, jnp.array([[True]]), jnp.zeros((1, 4)))
-    >>> codes.shape, np.asarray(decode(codes, jnp.array([[True]]))).tolist()
+    >>> packed = pack(encode(y, jnp.array([[True]]), jnp.zeros((1, 4))))
+    >>> packed.shape, np.asarray(decode(packed, jnp.array([[True]]))).tolist()
     ((1, 2), [[0.0, 0.5, -1.0, 0.25]])
   """
   k = _SIGNED.encode(jnp.minimum(jnp.abs(y), 1.0), u)
   signed_codes = k | jnp.where((y < 0) & (k > 0), _SIGN, 0)
   q = _NON_NEGATIVE.encode(jnp.clip(y, 0.0, 1.0), u)
   non_negative = jnp.where(y > 0, jnp.maximum(q, 1), 0) if never_zero else q
-  return pack(jnp.where(signed, signed_codes, non_negative))
+  return jnp.where(signed, signed_codes, non_negative)
 
 
 def decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
