@@ -14,7 +14,7 @@ costs no byte: it is the sign of the block's float32 scale ``a`` (its
 largest ``|x|``)::
 
   int8,   signed    x = a * t |t|,  t = int8(q) / 127            (scale -a)
-  float8, signed    x = a * e4m3(q) / 448                        (scale -a)
+  float8, signed    x = a * t |t|,  t = sqrt(e4m3(q) / 448)       (scale -a)
   non-negative      x = a * r(q)**2                              (scale +a)
                     r(q) = min(L(q), B(q), A(q)),  L(q) = (q + 1.25) / 256.25
                     B(q) = f32_bits(q * 2**18 + kB),  A(q) = f32_bits(q * 2**19 + kA)
@@ -46,9 +46,10 @@ Each draw is uniform, so the rounding is unbiased; along the updates an
 element's draws are spread evenly, so its rounding errors do not add up as
 a random walk in a moving average (on a block of gradients of 1 and 6.7e-8,
 Adam's largest step fell from 2.2x float32's with independent draws to 1.9x).
-Outside a code's range: 0 codes as 0; a signed value under the smallest
-non-zero code (``a / 127**2`` for int8, e4m3's smallest subnormal for
-float8) codes 0, so a decaying momentum reaches 0; a non-negative value
+Outside a code's range: 0 codes as 0; a signed int8 value under the
+smallest non-zero code (``a / 127**2``) codes 0, so a decaying momentum
+reaches 0 (a float8 one, under ``2**-8.9 a``, rounds to 0 or to it without
+bias, and 0 is still the decay's only fixed point); a non-negative value
 under code 1 rounds to 0 or to code 1 without bias, except in a leaf the
 update divides by (``never_zero``: Adam's ``v``), where it rounds up to
 code 1, so that the update never divides by ``eps`` alone.
@@ -71,10 +72,15 @@ The decode is integer multiplies and adds, two bitcasts, a multiplication
 and minima, with one ``where`` on the block's mode: the update decodes the
 state in each of its passes (:mod:`jmp_lite._src.optim.passes`: the block
 scales, then the codes), so a cheap decode keeps the passes cheap.
-``"float8"`` codes only signed blocks in e4m3 (rounded without bias by the
-spacing of e4m3 around the value); non-negative blocks use the code above
-(e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's largest, and
-MS-AMP's ablation saw an FP8 ``v`` diverge).
+``"float8"`` codes only signed blocks in e4m3, and of the square of ``x /
+a``: e4m3's steps of 6.25-12.5% (3 mantissa bits) become steps of 3.1-6.25%
+in ``x``, from the block's largest down to ``2**-8.9`` of it, instead of
+e4m3's 17.8 octaves of range at the coarser steps (on the oracle matrix,
+coding ``x / a`` itself, float8 drifted up to 1.01x as far as torchao's
+``AdamWFp8``; the signed code is what Adam's ``m`` and a momentum use, and
+its steps set the drift as ``v``'s do). Non-negative blocks use the code
+above (e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's
+largest, and MS-AMP's ablation saw an FP8 ``v`` diverge).
 """
 
 from __future__ import annotations
@@ -170,17 +176,23 @@ def _encode_companded(y: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def _encode_e4m3(y: jax.Array, u: jax.Array) -> jax.Array:
-  """e4m3 codes of ``448 y``, ``y`` in ``[-1, 1]``, rounded up or down without bias.
+  """e4m3 codes of ``448 y**2`` (with ``y``'s sign), ``y`` in ``[-1, 1]``, unbiased in ``y``.
 
   The spacing of e4m3 around ``z`` is ``2**(exponent(z) - 3)`` (3 mantissa
-  bits), or ``2**-9`` below its smallest normal ``2**-6``; ``floor(z /
-  spacing + u) * spacing`` is then exact in e4m3, and the cast rounds nothing.
+  bits), or ``2**-9`` below its smallest normal ``2**-6``: ``z``'s two
+  neighbours ``floor(z / spacing) * spacing`` and the next are exact in
+  e4m3, and the cast rounds nothing. The upper one is taken with the
+  probability that makes the decoded ``sqrt(z / 448)`` equal ``|y|`` on average.
   """
-  z = jnp.abs(y) * _E4M3_MAX
+  m = jnp.minimum(jnp.abs(y), 1.0)
+  z = m * m * _E4M3_MAX
   exponent = jax.lax.bitcast_convert_type(z, jnp.int32) & 0x7F800000
   spacing = _as_f32(jnp.maximum(exponent, _f32_bits(2.0**-6)) - (3 << 23))
-  r = jnp.minimum(jnp.floor(z / spacing + u) * spacing, _E4M3_MAX)
-  r = jnp.where(z >= 2.0**-9, r, 0.0)  # Under the smallest subnormal: towards 0.
+  lo = jnp.floor(z / spacing) * spacing
+  hi = jnp.minimum(lo + spacing, _E4M3_MAX)
+  below, above = jnp.sqrt(lo * (1.0 / _E4M3_MAX)), jnp.sqrt(hi * (1.0 / _E4M3_MAX))
+  width = above - below
+  r = jnp.where(u < (m - below) / jnp.where(width > 0, width, 1.0), hi, lo)
   return (jnp.sign(y) * r).astype(jnp.float8_e4m3fn)
 
 
@@ -251,8 +263,8 @@ def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:
   if fmt == "int4":
     return jnp.abs(s) * codes4.decode(codes, s < 0)
   if fmt == "float8":
-    signed = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * (
-        1.0 / _E4M3_MAX)
+    z = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+    signed = jnp.sign(z) * jnp.sqrt(jnp.abs(z) * (1.0 / _E4M3_MAX))
   else:
     t = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * (1.0 / 127.0)
     signed = t * jnp.abs(t)
