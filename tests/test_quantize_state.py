@@ -124,7 +124,7 @@ def test_inner_state_is_coded_and_updates_track_float32(inner, fmt):
 # ------------------------------------------------------- drift from float32
 
 
-@pytest.mark.parametrize("fmt, bound", [("int8", 0.05), ("float8", 0.1)])
+@pytest.mark.parametrize("fmt, bound", [("int8", 0.05), ("float8", 0.05)])  # float8 6.6% with e4m3 of m / a
 def test_drift_from_float32_adamw_on_an_mlp(fmt, bound):
   params0 = mlp_params()
   policy = jmp.get_policy("p=f32,c=f32,o=f32")

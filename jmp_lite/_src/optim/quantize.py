@@ -204,10 +204,11 @@ def quantize_state(
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
   of ``x / a``, ``a`` the block's largest ``|x|``) or ``"float8"`` (e4m3 of
-  ``x * 448 / a``); a non-negative block (a second moment, in either
-  format) as a uint8 code of ``sqrt(x / a)``, linear at the top of the block
-  and read as float32 bits below, which reaches 1e-8 of the block's largest
-  ``sqrt(v)``. The mode is the sign of the block's float32 scale. Rounding
+  ``448 (x / a)**2``, with its sign: steps of 3-6% down to ``2**-8.9 a``);
+  a non-negative block (a second moment, in either format) as a uint8 code
+  of ``sqrt(x / a)``, linear at the top of the block and read as float32
+  bits below, down to 0.008 of the block's largest ``sqrt(v)`` (smaller
+  values of a divisor such as ``v`` round up to it). The mode is the sign of the block's float32 scale. Rounding
   is stochastic and unbiased, so moving averages keep following their
   input (see :mod:`jmp_lite._src.optim.codes`). ``"int4"`` codes both kinds
   of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
