@@ -399,16 +399,18 @@ def test_the_non_negative_code():
 
 
 def test_the_float8_signed_code_steps_finer_than_e4m3():
-  # float8 codes a signed block's y = x / a as e4m3 of 448 y**2: e4m3's 3 mantissa bits
-  # steps of 6.25-12.5% become 3.1-6.25% in y, from the block's largest down to 2**-8.9
-  # of it (e4m3's smallest subnormal, 2**-9 / 448, squared back). Coding y itself, float8
-  # drifted 1.01x as far as torchao's AdamWFp8 on the oracle's worst problem.
+  # float8 codes a signed block's y = x / a as e4m3 of 448 y (y + C) / (1 + C), C = 2**-5:
+  # near the top of the block, where drift is made, about y**2 (e4m3's steps of 6.25-12.5%
+  # halve in y); far under C, about y (e4m3's own range). Coding y itself, float8 drifted
+  # 1.01x as far as torchao's AdamWFp8 on the oracle's worst problem; coding y**2 (range
+  # down to 2**-8.9 only), lion stopped short of Rosenbrock's minimum in optax's own test.
   codes = jnp.arange(1, 127, dtype=jnp.uint8)  # the positive e4m3 values, 2**-9 .. 448
   levels = codes_lib.decode(codes[None], jnp.array([-1.0]), "float8")[0]
   assert bool(jnp.all(jnp.diff(levels) > 0)) and float(levels[-1]) == 1.0
-  assert float(levels[0]) == pytest.approx((2.0**-9 / 448) ** 0.5, rel=1e-6)
+  assert float(levels[0]) < 2e-4  # 12.8 octaves
   steps = levels[1:] / levels[:-1]
-  assert float(jnp.max(jnp.where(levels[:-1] >= 2.0**-5, steps, 1.0))) <= 1.0625 + 1e-6
+  assert float(jnp.max(jnp.where(levels[:-1] >= 0.5, steps, 1.0))) <= 1.0625 + 1e-4
+  assert float(jnp.max(jnp.where(levels[:-1] >= 0.1, steps, 1.0))) <= 1.07
 
 
 DIVISORS = {  # optimizer -> its coded leaves' never_zero, read from its update's jaxpr

@@ -14,7 +14,7 @@ costs no byte: it is the sign of the block's float32 scale ``a`` (its
 largest ``|x|``)::
 
   int8,   signed    x = a * t |t|,  t = int8(q) / 127            (scale -a)
-  float8, signed    x = a * t |t|,  t = sqrt(e4m3(q) / 448)       (scale -a)
+  float8, signed    x = a y,  448 y (|y| + C) / (1 + C) = e4m3(q)   (scale -a)
   non-negative      x = a * r(q)**2                              (scale +a)
                     r(q) = min(L(q), B(q), A(q)),  L(q) = (q + 1.25) / 256.25
                     B(q) = f32_bits(q * 2**18 + kB),  A(q) = f32_bits(q * 2**19 + kA)
@@ -48,8 +48,9 @@ a random walk in a moving average (on a block of gradients of 1 and 6.7e-8,
 Adam's largest step fell from 2.2x float32's with independent draws to 1.9x).
 Outside a code's range: 0 codes as 0; a signed int8 value under the
 smallest non-zero code (``a / 127**2``) codes 0, so a decaying momentum
-reaches 0 (a float8 one, under ``2**-8.9 a``, rounds to 0 or to it without
-bias, and 0 is still the decay's only fixed point); a non-negative value
+reaches 0 (a float8 one, under its smallest, ``1.4e-4 a``, rounds to 0 or
+to it without bias, and 0 is still the decay's only fixed point); a
+non-negative value
 under code 1 rounds to 0 or to code 1 without bias, except in a leaf the
 update divides by (``never_zero``: Adam's ``v``), where it rounds up to
 code 1, so that the update never divides by ``eps`` alone.
@@ -72,14 +73,17 @@ The decode is integer multiplies and adds, two bitcasts, a multiplication
 and minima, with one ``where`` on the block's mode: the update decodes the
 state in each of its passes (:mod:`jmp_lite._src.optim.passes`: the block
 scales, then the codes), so a cheap decode keeps the passes cheap.
-``"float8"`` codes only signed blocks in e4m3, and of the square of ``x /
-a``: e4m3's steps of 6.25-12.5% (3 mantissa bits) become steps of 3.1-6.25%
-in ``x``, from the block's largest down to ``2**-8.9`` of it, instead of
-e4m3's 17.8 octaves of range at the coarser steps (on the oracle matrix,
-coding ``x / a`` itself, float8 drifted up to 1.01x as far as torchao's
-``AdamWFp8``; the signed code is what Adam's ``m`` and a momentum use, and
-its steps set the drift as ``v``'s do). Non-negative blocks use the code
-above (e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's
+``"float8"`` codes only signed blocks in e4m3, of ``448 y (|y| + C) / (1 +
+C)`` for ``y = x / a`` and ``C = 2**-5``: near the top of the block, where
+drift is made, that is about ``y**2``, so e4m3's steps of 6.25-12.5% (3
+mantissa bits) become 3.1-6.3% in ``y`` (6.8% or less above 0.1); far under
+``C`` it is about ``y``, e4m3's own range, down to ``1.4e-4`` of the block's
+largest (12.8 octaves). Coding ``y`` itself (17.8 octaves at the coarser
+steps), float8 drifted up to 1.01x as far as torchao's ``AdamWFp8`` on the
+oracle matrix; coding ``y**2`` (8.9 octaves) lowered that to 0.77x, but a
+momentum under 0.2% of its block rounded to 0 or to 0.2% of it, and lion,
+which follows that momentum's sign, stopped short of Rosenbrock's minimum
+in optax's own test. Non-negative blocks use the code above (e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's
 largest, and MS-AMP's ablation saw an FP8 ``v`` diverge).
 """
 
@@ -103,6 +107,7 @@ def codes_per_byte(fmt: str) -> int:
   return 2 if fmt == "int4" else 1
 
 _E4M3_MAX = 448.0
+_E4M3_C = 2.0**-5  # float8's signed code: z = 448 y (y + C) / (1 + C), see _encode_e4m3
 _U24 = 2.0**-24  # Uniform draws in [0, 1) from the hash's top 24 bits.
 
 # The non-negative code (see the module docstring): the decoded sqrt(v / a) of
@@ -175,22 +180,28 @@ def _encode_companded(y: jax.Array, u: jax.Array) -> jax.Array:
   return (jnp.sign(y) * q).astype(jnp.int8)
 
 
+def _e4m3_fraction(z: jax.Array) -> jax.Array:
+  """``|y|`` of the e4m3 value ``z = 448 y (y + C) / (1 + C)``: its positive root, computed stably."""
+  w = jnp.abs(z) * ((1.0 + _E4M3_C) / _E4M3_MAX)
+  return 2.0 * w / (_E4M3_C + jnp.sqrt(_E4M3_C * _E4M3_C + 4.0 * w))
+
+
 def _encode_e4m3(y: jax.Array, u: jax.Array) -> jax.Array:
-  """e4m3 codes of ``448 y**2`` (with ``y``'s sign), ``y`` in ``[-1, 1]``, unbiased in ``y``.
+  """e4m3 codes of ``448 y (y + C) / (1 + C)`` (with ``y``'s sign), ``y`` in ``[-1, 1]``.
 
   The spacing of e4m3 around ``z`` is ``2**(exponent(z) - 3)`` (3 mantissa
   bits), or ``2**-9`` below its smallest normal ``2**-6``: ``z``'s two
   neighbours ``floor(z / spacing) * spacing`` and the next are exact in
   e4m3, and the cast rounds nothing. The upper one is taken with the
-  probability that makes the decoded ``sqrt(z / 448)`` equal ``|y|`` on average.
+  probability that makes the decoded ``y`` right on average.
   """
   m = jnp.minimum(jnp.abs(y), 1.0)
-  z = m * m * _E4M3_MAX
+  z = m * (m + _E4M3_C) * (_E4M3_MAX / (1.0 + _E4M3_C))
   exponent = jax.lax.bitcast_convert_type(z, jnp.int32) & 0x7F800000
   spacing = _as_f32(jnp.maximum(exponent, _f32_bits(2.0**-6)) - (3 << 23))
   lo = jnp.floor(z / spacing) * spacing
   hi = jnp.minimum(lo + spacing, _E4M3_MAX)
-  below, above = jnp.sqrt(lo * (1.0 / _E4M3_MAX)), jnp.sqrt(hi * (1.0 / _E4M3_MAX))
+  below, above = _e4m3_fraction(lo), _e4m3_fraction(hi)
   width = above - below
   r = jnp.where(u < (m - below) / jnp.where(width > 0, width, 1.0), hi, lo)
   return (jnp.sign(y) * r).astype(jnp.float8_e4m3fn)
@@ -264,7 +275,7 @@ def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:
     return jnp.abs(s) * codes4.decode(codes, s < 0)
   if fmt == "float8":
     z = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    signed = jnp.sign(z) * jnp.sqrt(jnp.abs(z) * (1.0 / _E4M3_MAX))
+    signed = jnp.sign(z) * _e4m3_fraction(z)
   else:
     t = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * (1.0 / 127.0)
     signed = t * jnp.abs(t)

@@ -204,7 +204,8 @@ def quantize_state(
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
   of ``x / a``, ``a`` the block's largest ``|x|``) or ``"float8"`` (e4m3 of
-  ``448 (x / a)**2``, with its sign: steps of 3-6% down to ``2**-8.9 a``);
+  ``448 y (|y| + C) / (1 + C)``, ``y = x / a``, ``C = 2**-5``: steps of
+  3-7% above ``0.1 a``, down to ``1.4e-4 a``);
   a non-negative block (a second moment, in either format) as a uint8 code
   of ``sqrt(x / a)``, linear at the top of the block and read as float32
   bits below, down to 0.008 of the block's largest ``sqrt(v)`` (smaller
