@@ -50,10 +50,9 @@ Outside a code's range: 0 codes as 0; a signed int8 value under the
 smallest non-zero code (``a / 127**2``) codes 0, so a decaying momentum
 reaches 0 (a float8 one, under its smallest, ``1.4e-4 a``, rounds to 0 or
 to it without bias, and 0 is still the decay's only fixed point); a
-non-negative value
-under code 1 rounds to 0 or to code 1 without bias, except in a leaf the
-update divides by (``never_zero``: Adam's ``v``), where it rounds up to
-code 1, so that the update never divides by ``eps`` alone.
+non-negative value under code 1 rounds to 0 or to code 1 without bias,
+except in a leaf the update divides by (``never_zero``: Adam's ``v``), where
+it rounds up to code 1, so that the update never divides by ``eps`` alone.
 
 **Why the non-negative code has this shape.** Adam steps by ``m /
 sqrt(v)``, and ``v``'s moving average (``b2 = 0.999``) is coded anew at every
@@ -83,8 +82,9 @@ steps), float8 drifted up to 1.01x as far as torchao's ``AdamWFp8`` on the
 oracle matrix; coding ``y**2`` (8.9 octaves) lowered that to 0.77x, but a
 momentum under 0.2% of its block rounded to 0 or to 0.2% of it, and lion,
 which follows that momentum's sign, stopped short of Rosenbrock's minimum
-in optax's own test. Non-negative blocks use the code above (e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's
-largest, and MS-AMP's ablation saw an FP8 ``v`` diverge).
+in optax's own test. Non-negative blocks use the code above (e4m3 of
+``sqrt(v)`` reaches only ``2**-17.8`` of the block's largest, and MS-AMP's
+ablation saw an FP8 ``v`` diverge).
 """
 
 from __future__ import annotations
