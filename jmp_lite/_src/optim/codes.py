@@ -14,7 +14,7 @@ costs no byte: it is the sign of the block's float32 scale ``a`` (its
 largest ``|x|``)::
 
   int8,   signed    x = a * t |t|,  t = int8(q) / 127            (scale -a)
-  float8, signed    x = a y,  448 y (|y| + C) / (1 + C) = e4m3(q)   (scale -a)
+  float8, signed    x = a * e4m3(q) / 448                        (scale -a)
   non-negative      x = a * r(q)**2                              (scale +a)
                     r(q) = min(L(q), B(q), A(q)),  L(q) = (q + 1.25) / 256.25
                     B(q) = f32_bits(q * 2**18 + kB),  A(q) = f32_bits(q * 2**19 + kA)
@@ -46,13 +46,12 @@ Each draw is uniform, so the rounding is unbiased; along the updates an
 element's draws are spread evenly, so its rounding errors do not add up as
 a random walk in a moving average (on a block of gradients of 1 and 6.7e-8,
 Adam's largest step fell from 2.2x float32's with independent draws to 1.9x).
-Outside a code's range: 0 codes as 0; a signed int8 value under the
-smallest non-zero code (``a / 127**2``) codes 0, so a decaying momentum
-reaches 0 (a float8 one, under its smallest, ``1.4e-4 a``, rounds to 0 or
-to it without bias, and 0 is still the decay's only fixed point); a
-non-negative value under code 1 rounds to 0 or to code 1 without bias,
-except in a leaf the update divides by (``never_zero``: Adam's ``v``), where
-it rounds up to code 1, so that the update never divides by ``eps`` alone.
+Outside a code's range: 0 codes as 0; a signed value under the smallest
+non-zero code (``a / 127**2`` for int8, e4m3's smallest subnormal for
+float8) codes 0, so a decaying momentum reaches 0; a non-negative value
+under code 1 rounds to 0 or to code 1 without bias, except in a leaf the
+update divides by (``never_zero``: Adam's ``v``), where it rounds up to
+code 1, so that the update never divides by ``eps`` alone.
 
 **Why the non-negative code has this shape.** Adam steps by ``m /
 sqrt(v)``, and ``v``'s moving average (``b2 = 0.999``) is coded anew at every
@@ -72,19 +71,10 @@ The decode is integer multiplies and adds, two bitcasts, a multiplication
 and minima, with one ``where`` on the block's mode: the update decodes the
 state in each of its passes (:mod:`jmp_lite._src.optim.passes`: the block
 scales, then the codes), so a cheap decode keeps the passes cheap.
-``"float8"`` codes only signed blocks in e4m3, of ``448 y (|y| + C) / (1 +
-C)`` for ``y = x / a`` and ``C = 2**-5``: near the top of the block, where
-drift is made, that is about ``y**2``, so e4m3's steps of 6.25-12.5% (3
-mantissa bits) become 3.1-6.3% in ``y`` (6.8% or less above 0.1); far under
-``C`` it is about ``y``, e4m3's own range, down to ``1.4e-4`` of the block's
-largest (12.8 octaves). Coding ``y`` itself (17.8 octaves at the coarser
-steps), float8 drifted up to 1.01x as far as torchao's ``AdamWFp8`` on the
-oracle matrix; coding ``y**2`` (8.9 octaves) lowered that to 0.77x, but a
-momentum under 0.2% of its block rounded to 0 or to 0.2% of it, and lion,
-which follows that momentum's sign, stopped short of Rosenbrock's minimum
-in optax's own test. Non-negative blocks use the code above (e4m3 of
-``sqrt(v)`` reaches only ``2**-17.8`` of the block's largest, and MS-AMP's
-ablation saw an FP8 ``v`` diverge).
+``"float8"`` codes only signed blocks in e4m3 (rounded without bias by the
+spacing of e4m3 around the value); non-negative blocks use the code above
+(e4m3 of ``sqrt(v)`` reaches only ``2**-17.8`` of the block's largest, and
+MS-AMP's ablation saw an FP8 ``v`` diverge).
 """
 
 from __future__ import annotations
@@ -107,7 +97,6 @@ def codes_per_byte(fmt: str) -> int:
   return 2 if fmt == "int4" else 1
 
 _E4M3_MAX = 448.0
-_E4M3_C = 2.0**-5  # float8's signed code: z = 448 y (y + C) / (1 + C), see _encode_e4m3
 _U24 = 2.0**-24  # Uniform draws in [0, 1) from the hash's top 24 bits.
 
 # The non-negative code (see the module docstring): the decoded sqrt(v / a) of
@@ -180,30 +169,18 @@ def _encode_companded(y: jax.Array, u: jax.Array) -> jax.Array:
   return (jnp.sign(y) * q).astype(jnp.int8)
 
 
-def _e4m3_fraction(z: jax.Array) -> jax.Array:
-  """``|y|`` of the e4m3 value ``z = 448 y (y + C) / (1 + C)``: its positive root, computed stably."""
-  w = jnp.abs(z) * ((1.0 + _E4M3_C) / _E4M3_MAX)
-  return 2.0 * w / (_E4M3_C + jnp.sqrt(_E4M3_C * _E4M3_C + 4.0 * w))
-
-
 def _encode_e4m3(y: jax.Array, u: jax.Array) -> jax.Array:
-  """e4m3 codes of ``448 y (y + C) / (1 + C)`` (with ``y``'s sign), ``y`` in ``[-1, 1]``.
+  """e4m3 codes of ``448 y``, ``y`` in ``[-1, 1]``, rounded up or down without bias.
 
   The spacing of e4m3 around ``z`` is ``2**(exponent(z) - 3)`` (3 mantissa
-  bits), or ``2**-9`` below its smallest normal ``2**-6``: ``z``'s two
-  neighbours ``floor(z / spacing) * spacing`` and the next are exact in
-  e4m3, and the cast rounds nothing. The upper one is taken with the
-  probability that makes the decoded ``y`` right on average.
+  bits), or ``2**-9`` below its smallest normal ``2**-6``; ``floor(z /
+  spacing + u) * spacing`` is then exact in e4m3, and the cast rounds nothing.
   """
-  m = jnp.minimum(jnp.abs(y), 1.0)
-  z = m * (m + _E4M3_C) * (_E4M3_MAX / (1.0 + _E4M3_C))
+  z = jnp.abs(y) * _E4M3_MAX
   exponent = jax.lax.bitcast_convert_type(z, jnp.int32) & 0x7F800000
   spacing = _as_f32(jnp.maximum(exponent, _f32_bits(2.0**-6)) - (3 << 23))
-  lo = jnp.floor(z / spacing) * spacing
-  hi = jnp.minimum(lo + spacing, _E4M3_MAX)
-  below, above = _e4m3_fraction(lo), _e4m3_fraction(hi)
-  width = above - below
-  r = jnp.where(u < (m - below) / jnp.where(width > 0, width, 1.0), hi, lo)
+  r = jnp.minimum(jnp.floor(z / spacing + u) * spacing, _E4M3_MAX)
+  r = jnp.where(z >= 2.0**-9, r, 0.0)  # Under the smallest subnormal: towards 0.
   return (jnp.sign(y) * r).astype(jnp.float8_e4m3fn)
 
 
@@ -274,8 +251,8 @@ def decode(codes: jax.Array, scales: jax.Array, fmt: str) -> jax.Array:
   if fmt == "int4":
     return jnp.abs(s) * codes4.decode(codes, s < 0)
   if fmt == "float8":
-    z = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    signed = jnp.sign(z) * _e4m3_fraction(z)
+    signed = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * (
+        1.0 / _E4M3_MAX)
   else:
     t = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * (1.0 / 127.0)
     signed = t * jnp.abs(t)

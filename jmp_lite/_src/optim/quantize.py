@@ -204,12 +204,11 @@ def quantize_state(
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
   of ``x / a``, ``a`` the block's largest ``|x|``) or ``"float8"`` (e4m3 of
-  ``448 y (|y| + C) / (1 + C)``, ``y = x / a``, ``C = 2**-5``: steps of
-  3-7% above ``0.1 a``, down to ``1.4e-4 a``);
-  a non-negative block (a second moment, in either format) as a uint8 code
-  of ``sqrt(x / a)``, linear at the top of the block and read as float32
-  bits below, down to 0.008 of the block's largest ``sqrt(v)`` (smaller
-  values of a divisor such as ``v`` round up to it). The mode is the sign of the block's float32 scale. Rounding
+  ``x * 448 / a``); a non-negative block (a second moment, in either
+  format) as a uint8 code of ``sqrt(x / a)``, linear at the top of the
+  block and read as float32 bits below, down to 0.008 of the block's
+  largest ``sqrt(v)`` (smaller values of a divisor such as ``v`` round up
+  to it). The mode is the sign of the block's float32 scale. Rounding
   is stochastic and unbiased, so moving averages keep following their
   input (see :mod:`jmp_lite._src.optim.codes`). ``"int4"`` codes both kinds
   of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
