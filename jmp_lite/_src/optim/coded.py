@@ -17,7 +17,6 @@ import numpy as np
 
 from jmp_lite._src import masters
 from jmp_lite._src.optim import codes as codes_lib
-from jmp_lite._src.optim import codes4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,13 +167,13 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
     return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
                           shape, np.dtype(x.dtype), fmt, block_size, never_zero)
   work = _work_shape(blocks)
-  scales = (codes_lib.block_scales(as_blocks(x, block_size)) if scales is None
-            else scales.reshape(work[:-1]))
+  x_blocks = as_blocks(x, block_size)
+  scales = None if scales is None else scales.reshape(work[:-1])
   if fmt == "int4" or _along_last(shape, block_size):
-    codes = codes_lib.encode_elements(as_blocks(x, block_size), scales[..., None], fmt,
-                                      dither(work, leaf, count), never_zero)
-    codes = codes4.pack(codes) if fmt == "int4" else codes
+    codes, scales = codes_lib.encode(x_blocks, fmt, dither(work, leaf, count), never_zero,
+                                     scales)
   else:  # In the leaf's shape, then as blocks: a padding element codes 0, as 0.0 does.
+    scales = codes_lib.block_scales(x_blocks) if scales is None else scales
     codes = as_blocks(codes_lib.encode_elements(
         x, _per_element(scales, shape, block_size), fmt, dither(shape, leaf, count), never_zero),
         block_size)

@@ -196,8 +196,8 @@ def block_scales(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.min(x, axis=-1) < 0, -a, a)
 
 
-def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True
-           ) -> tuple[jax.Array, jax.Array]:
+def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,
+           scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Codes of float32 blocks ``x`` (shape ``(..., blocks, block_size)``) and their scales.
 
   Args:
@@ -209,6 +209,8 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True
     never_zero: a non-zero value of a non-negative block never codes 0 (for a
       leaf the update divides by); otherwise one under the smallest code rounds
       to it or to 0 without bias.
+    scales: the blocks' :func:`block_scales`, when the caller has them (from
+      another computation of the same ``x``).
 
   Returns:
     ``(codes, scales)``: uint8 codes of ``x``'s shape (for ``"int4"``, two a
@@ -216,7 +218,7 @@ def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True
     shape ``x.shape[:-1]``: the block's largest ``|x|``, negated for a block
     coded with the signed code.
   """
-  scales = block_scales(x)
+  scales = block_scales(x) if scales is None else scales
   codes = encode_elements(x, scales[..., None], fmt, bits, never_zero)
   return (codes4.pack(codes) if fmt == "int4" else codes), scales
 
