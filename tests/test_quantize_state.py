@@ -124,7 +124,8 @@ def test_inner_state_is_coded_and_updates_track_float32(inner, fmt):
 # ------------------------------------------------------- drift from float32
 
 
-@pytest.mark.parametrize("fmt, bound", [("int8", 0.05), ("float8", 0.1)])
+# float8 drifted 6.6% with e4m3 for signed blocks (until stop 53), 3.4% with e3m4; int8 2.3%.
+@pytest.mark.parametrize("fmt, bound", [("int8", 0.05), ("float8", 0.05)])
 def test_drift_from_float32_adamw_on_an_mlp(fmt, bound):
   params0 = mlp_params()
   policy = jmp.get_policy("p=f32,c=f32,o=f32")
@@ -141,6 +142,19 @@ def test_drift_from_float32_adamw_on_an_mlp(fmt, bound):
   assert float(drift) <= bound * float(moved)
   assert runs[fmt][1] <= 1.1 * runs["f32"][1]
   assert runs["f32"][1] < 0.7 * float(mlp_loss(params0, mlp_batch(149)))
+
+
+def test_float8_codes_signed_blocks_with_4_mantissa_bits():
+  """float8's signed code is e3m4: steps of at most 1/16 of the value from 1/62 of the
+  block's largest up (e4m3's were up to 1/8), linear below, down to 1/992 of it."""
+  decoded = np.asarray(codes_lib.decode(jnp.arange(256, dtype=jnp.uint8)[None],
+                                        jnp.array([-1.0]), "float8"))[0]
+  decoded = decoded[np.isfinite(decoded)]  # e3m4's inf and NaN codes, which encode never makes
+  levels = np.unique(np.abs(decoded))
+  assert levels[-1] == 1.0 and np.isclose(levels[1], 2.0**-6 / 15.5)
+  top = levels[levels >= 1 / 62]
+  assert np.all(np.diff(top) / top[:-1] <= 1 / 16 + 1e-6)
+  assert np.array_equal(np.sort(decoded[decoded < 0]), -levels[1:][::-1])  # symmetric
 
 
 # ---------------------------------------------------------- which leaves

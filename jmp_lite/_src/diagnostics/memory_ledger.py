@@ -32,9 +32,9 @@ class LedgerRow(NamedTuple):
     part: ``"params"``, ``"compensation"``, ``"optimizer state"``, ``"model
       state"``, ``"weight amaxes"`` (FP8's, ``TrainState.weight_amaxes``),
       ``"step and key"`` or ``"other"`` (a pytree that is not a ``TrainState``).
-    stored_as: the dtype name, or ``"int8 codes"``, ``"uint8 codes"``, ``"4-bit codes"``
-      (two a byte: its elements are codes, its bytes half as many),
-      ``"float8_e4m3fn codes"`` and ``"float32 scales"`` for state that
+    stored_as: the dtype name, or ``"uint8 codes"``, ``"4-bit codes"``
+      (two a byte: its elements are codes, its bytes half as many)
+      and ``"float32 scales"`` for state that
       :func:`jmp_lite.quantize_state` coded.
     elements: the number of elements.
     bytes: their bytes.
