@@ -76,7 +76,7 @@ def test_each_model_has_a_finite_gradient_for_every_parameter(name):
   problem = PROBLEMS[name]
   inst = problems_lib.instance(problem, 0, steps=2)
   idx = inst.batches[0]
-  loss, grads = jax.value_and_grad(inst.loss)(inst.params, inst.x[idx], inst.y[idx])
+  loss, grads = jax.jit(jax.value_and_grad(inst.loss))(inst.params, inst.x[idx], inst.y[idx])
   assert np.isfinite(float(loss)) and float(loss) > 0
   for k, g in grads.items():
     assert g.shape == inst.params[k].shape and g.dtype == np.float32
