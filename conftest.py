@@ -27,8 +27,14 @@ emits the CPU's fused loops with XLA's older elemental emitter
 (``--xla_cpu_use_fusion_emitters=false``): the same fusions, compiled in about
 half the time (a quantized Adam update 0.22 s instead of 0.52 s; the model
 zoo, transform, autocast-corpus and a slice of the alias tests together 180 s
-instead of 305 s). Because XLA aborts on a flag it does not know, that one is
-added only after a child process has started XLA with it. Benchmarks are not
+instead of 305 s). And it compiles each program's LLVM module whole
+(``--xla_cpu_parallel_codegen_split_count=1``): split into parts compiled on
+threads, as XLA does by default, the parts' overhead outweighed the threads
+on programs this small, with two pytest-xdist workers already busy on the
+two cores (autocast, masters and model-zoo tests 75 s -> 57 s with an empty
+cache; 217 of optax's alias tests 78 s -> 54 s). Because XLA aborts on a
+flag it does not know, those two are added only after a child process has
+started XLA with them. Benchmarks are not
 run through pytest for their timings, so no measured speed depends on either.
 
 The plugin ``tests/optax_alias_quantized.py``: optax's own optimizer tests,
@@ -64,6 +70,7 @@ def _add_xla_flag(name: str, value: str, probe: bool = False) -> None:
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 _add_xla_flag("xla_backend_optimization_level", "0")
 _add_xla_flag("xla_cpu_use_fusion_emitters", "false", probe=True)
+_add_xla_flag("xla_cpu_parallel_codegen_split_count", "1", probe=True)
 
 CACHE = {
     "JAX_COMPILATION_CACHE_DIR": str(pathlib.Path(__file__).resolve().parent / ".jax_cache"),
