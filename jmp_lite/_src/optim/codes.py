@@ -75,10 +75,10 @@ scales, then the codes), so a cheap decode keeps the passes cheap.
 ``"float8"`` differs from ``"int8"`` only in its signed code, float8_e3m4
 (a sign bit, 3 exponent and 4 mantissa bits: steps of 3.1-6.25% from 1/62
 of the block's largest up, linear below, down to 1e-3 of it; its 16 inf and
-NaN codes go unused). It decodes
-with one conversion: a decode of a few more integer operations, or a select
-on the sign bit, made XLA:GPU keep the padded leaves' new state in float32
-(an H100 update temp of 9.6 MiB on a padded 1000x1000 matrix, against 1.9).
+NaN codes go unused). It decodes with one conversion: a decode of a few
+more integer operations, or a select on the sign bit, made XLA:GPU keep the
+padded leaves' new state in float32 (an H100 update temp of 9.6 MiB on a
+padded 1000x1000 matrix, against 1.9).
 e4m3 (3 mantissa bits, steps of 6.25-12.5%, down to 4e-6) was its code
 until stop 53 and drifted as far as torchao's ``AdamWFp8`` on three problems
 of the oracle matrix: float8's drift is mostly ``m``'s. Its non-negative

@@ -204,11 +204,11 @@ def quantize_state(
   Each block is coded by its values at every update: a block with a
   negative value as ``"int8"`` (companded, ``t |t|`` with ``t = q / 127``,
   of ``x / a``, ``a`` the block's largest ``|x|``) or ``"float8"`` (e3m4 of
-  ``15.5 x / a``: 4 mantissa bits, down to 1e-3 of ``a``); a non-negative block (a second moment, in either
-  format) as a uint8 code of ``sqrt(x / a)``, linear at the top of the
-  block and read as float32 bits below, down to 0.008 of the block's
-  largest ``sqrt(v)`` (smaller values of a divisor such as ``v`` round up
-  to it). The mode is the sign of the block's float32 scale. Rounding
+  ``15.5 x / a``: 4 mantissa bits, down to 1e-3 of ``a``); a non-negative
+  block (a second moment, in either format) as a uint8 code of
+  ``sqrt(x / a)``, linear at the top of the block and read as float32 bits
+  below, down to 0.008 of the block's largest ``sqrt(v)`` (smaller values
+  of a divisor such as ``v`` round up to it). The mode is the sign of the block's float32 scale. Rounding
   is stochastic and unbiased, so moving averages keep following their
   input (see :mod:`jmp_lite._src.optim.codes`). ``"int4"`` codes both kinds
   of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
