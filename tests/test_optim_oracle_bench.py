@@ -2,18 +2,24 @@
 
 The benchmark itself needs torch and torchao, which the tests never install;
 its numbers are committed in ``benchmarks/results/optim-oracle-*``. These
-tests run the JAX side on a few steps and the report on made-up numbers.
+tests run the JAX side on a few steps and the report on made-up numbers; the
+cooldown's torch side, and its smoke run, only where torch and torchao are
+installed (they skip otherwise).
 """
 
 from __future__ import annotations
 
 import sys
 
+import json
+
 import jax
 import numpy as np
+import optax
 import pytest
 
 from benchmarks.optim_oracle import command
+from benchmarks.optim_oracle import cooldown
 from benchmarks.optim_oracle import drift
 from benchmarks.optim_oracle import problems as problems_lib
 from benchmarks.optim_oracle import sweep
@@ -191,3 +197,144 @@ def test_the_report_shows_each_problem_the_median_the_worst_and_the_sweep():
           "1.00% (1.00%) | 10.00% (10.00%) | 0.10x | 0.00% | w (4096) |") in text
   assert "- jmp_lion_int8: median 5.00%, worst 5.00% (b)." in text
   assert "| 1e-08 | 1.000 | 1.60x | 1.00x |" in text
+
+
+# ------------------------------------------------------------------ the cooldown
+
+
+def test_the_cooldown_warms_up_holds_and_falls_to_zero_over_the_last_tenth():
+  steps = 200
+  warmup, start = cooldown.phases(steps)
+  assert (warmup, start) == (10, 180)  # 5% and the last 10% of the steps
+  assert cooldown.phases(cooldown.STEPS) == (50, 900)
+  lrs = cooldown.lr_values(steps)
+  peak = np.float32(cooldown.PEAK_LR)
+  assert cooldown.PEAK_LR == 3 * PROBLEMS[cooldown.PROBLEM].lr
+  np.testing.assert_allclose(lrs[:warmup + 1], np.linspace(0.0, peak, warmup + 1), rtol=1e-6)
+  assert lrs[0] == 0.0 and np.all(lrs[warmup:start + 1] == peak)
+  np.testing.assert_allclose(lrs[start:], np.linspace(peak, 0.0, steps - start), rtol=1e-5,
+                             atol=1e-12)
+  assert lrs[-1] == 0.0 and lrs[-2] > 0.0  # exactly 0 at the last step, and only there
+  assert np.all(np.diff(lrs[start:]) < 0)
+  with pytest.raises(ValueError, match="at least 20 steps"):
+    cooldown.phases(19)
+
+
+def test_the_torch_side_gets_the_lr_optax_applies_at_each_step():
+  """optax's count is the number of earlier updates: step t runs at lrs[t], as torch's does."""
+  steps = 40
+  lrs = cooldown.lr_values(steps)
+  tx = optax.scale_by_learning_rate(cooldown.schedule(lrs))
+  update = jax.jit(tx.update)
+  ones = {"w": jax.numpy.ones(3)}
+  state = tx.init(ones)
+  applied = []
+  for _ in range(steps):
+    u, state = update(ones, state)
+    applied.append(-np.asarray(u["w"]))
+  np.testing.assert_array_equal(np.array(applied), np.repeat(lrs[:, None], 3, axis=1))
+
+
+@pytest.mark.parametrize("name", ["jmp_int4", "torch_adamw", "torchao_adamw8bit",
+                                  "torchao_adamw4bit"])
+def test_a_step_at_lr_0_leaves_the_weights_where_they_are(name):
+  """Both sides read the lr at every step: two steps at the peak move the weights, one at 0 not.
+
+  torchao holds the lr as a tensor that a float may not replace; torch's
+  optimizers were built at the problem's lr, so a step that ignored the
+  schedule would move them.
+  """
+  if variants.VARIANTS[name].side == "torch":
+    pytest.importorskip("torchao.optim")
+  problem = PROBLEMS[cooldown.PROBLEM]
+  inst = problems_lib.instance(problem, 0, steps=3)
+  lrs = np.array([cooldown.PEAK_LR, cooldown.PEAK_LR, 0.0], np.float32)
+  grads = variants.grad_function(problem)
+  x, y = jax.device_put(inst.x), jax.device_put(inst.y)
+  after = []
+
+  def keep(t, params):
+    after.append({k: np.array(v, copy=True) for k, v in params.items()})
+
+  if variants.VARIANTS[name].side == "jax":
+    _, coded = variants.jax_trainer(name, problem, grads, cooldown.schedule(lrs))(
+        inst, x, y, keep)
+  else:
+    _, coded = variants.torch_train(name, problem, inst, grads, x, y, lrs, keep)
+  assert coded == ([] if variants.VARIANTS[name].format is None else ["w1", "w2", "wo", "wqkv"])
+  for k in inst.params:
+    assert not np.array_equal(after[0][k], inst.params[k]), k
+    assert not np.array_equal(after[1][k], after[0][k]), k
+    np.testing.assert_array_equal(after[2][k], after[1][k], err_msg=k)
+
+
+def test_the_largest_rise_is_from_the_lowest_loss_before_it_and_divergence_is_flagged():
+  assert cooldown.largest_rise([1.0, 0.9, 0.95, 0.8]) == pytest.approx(0.95 / 0.9 - 1)
+  assert f"{100 * cooldown.largest_rise([1.0, 0.9, 0.95, 0.8]):.2f}%" == "5.56%"
+  assert cooldown.largest_rise([1.0, 0.9, 0.8]) == 0.0
+  assert cooldown.largest_rise([1.0, 1.02, 0.5, 0.55]) == pytest.approx(0.1)
+  assert np.isnan(cooldown.largest_rise([1.0, float("inf")]))
+  assert [cooldown.diverged(ls) for ls in ([1.0, 1.9, 1.5], [1.0, 2.1, 0.5], [1.0, float("nan")],
+                                           [float("inf"), 1.0])] == [False, True, True, True]
+
+
+def _cooldown_run(name, losses):
+  return dict(variant=name, steps=20, peak_lr=3e-3, weight_decay=1e-2, points=[18, 19, 20],
+              seeds=[0, 1], losses=losses, coded=["w"], seconds=1.0)
+
+
+def test_the_cooldown_summary_and_its_bars_take_the_worst_seed_of_each_jmp_format():
+  runs = {"optax_adamw": _cooldown_run("optax_adamw", [[2.0, 1.9, 1.8], [2.0, 1.9, 1.9]]),
+          "jmp_int8": _cooldown_run("jmp_int8", [[2.0, 1.9, 1.9185], [2.0, 1.9, 1.9]]),
+          "jmp_int4": _cooldown_run("jmp_int4", [[2.0, 1.9, 1.9], [2.0, 1.9, 1.9095]]),
+          "torch_adamw": _cooldown_run("torch_adamw", [[2.0, 1.9, 1.8], [2.0, 1.9, 1.9]]),
+          "torchao_adamw4bit": _cooldown_run("torchao_adamw4bit",
+                                             [[2.0, 1.9, 5.0], [2.0, float("nan"), 1.0]])}
+  c = cooldown.summarize(runs)
+  assert c["variants"]["jmp_int8"]["rise_worst"] == pytest.approx(1.9185 / 1.9 - 1)
+  assert c["variants"]["jmp_int4"]["rise_median"] == pytest.approx(0.0025)
+  assert c["variants"]["jmp_int8"]["vs_fp32_worst"] == pytest.approx(1.9185 / 1.8)
+  assert c["variants"]["torchao_adamw4bit"]["diverged"] == [0, 1]
+  assert c["variants"]["optax_adamw"]["curve"] == [2.0, 1.9, 1.85]
+  assert (c["phases"], c["matrix_lr"]) == ([1, 18], 1e-3)
+  result = _result([])
+  result["cooldown"] = c
+  bars = {b["what"]: (b["value"], b["passed"]) for b in tables.check_bars(result, True)}
+  what = "{}: largest rise of the held-out loss in the decay to lr 0, worst seed of 2"
+  assert bars[what.format("jmp_int8")] == (pytest.approx(0.0097, abs=1e-4), True)
+  assert bars[what.format("jmp_int4")] == (pytest.approx(0.005), True)
+  assert not any(w.startswith("torchao") for w in bars)  # torchao is reported, not barred
+  runs["jmp_int8"]["losses"][1] = [2.0, 1.9, 1.92]
+  result["cooldown"] = cooldown.summarize(runs)
+  bars = {b["what"]: b["passed"] for b in tables.check_bars(result, True)}
+  assert bars[what.format("jmp_int8")] is False
+  text = tables.markdown(result)
+  assert ("| jmp_int4 | jmp.quantize_state(optax.adamw, 'int4') | 0.50% | 0.25% | 1.9047 | 1.0303x | "
+          "1.0556x | none | w |") in text
+  assert "| torchao_adamw4bit | torchao.optim.AdamW4bit | nan% | nan% |" in text
+  assert "| optax_adamw | 2.0000 | 1.9000 | 1.8500 |" in text
+
+
+def test_the_cooldown_smoke_run_end_to_end(tmp_path, capsys):
+  pytest.importorskip("torchao.optim")
+  argv = ["--smoke", "--parts", "cooldown", "--formats", "int4", "--jobs", "1",
+          "--out", str(tmp_path)]
+  assert command.main(argv) == 0
+  (path,) = tmp_path.glob("optim-oracle-*.json")
+  result = json.loads(path.read_text())
+  assert result["problems"] == [] and result["sweep"] is None
+  c = result["cooldown"]
+  assert (c["steps"], c["seeds"], c["points"]) == (20, [0], [18, 19, 20])
+  assert list(c["variants"]) == ["optax_adamw", "jmp_int4", "torch_adamw", "torchao_adamw4bit"]
+  for n, v in c["variants"].items():
+    (s,) = v["by_seed"]
+    assert np.all(np.isfinite(v["curve"])) and not s["diverged"], n
+    assert np.isfinite(s["rise"]) and s["rise"] == v["rise_worst"], n
+    assert s["final"] == v["curve"][-1] == v["final"], n
+    assert v["curve"][-1] == v["curve"][-2], n  # the last step is at lr 0
+    assert v["curve"][1] < v["curve"][0], n  # the one before it is not
+  assert c["variants"]["optax_adamw"]["vs_fp32_median"] == 1.0
+  for n in ("jmp_int4", "torchao_adamw4bit"):
+    assert c["variants"][n]["coded"] == ["w1", "w2", "wo", "wqkv"]
+  assert [b["model"] for b in result["bars"]] == ["cooldown"]
+  assert "**Cooldown** on transformer_gelu, 20 steps, seeds 0:" in capsys.readouterr().out

@@ -12,13 +12,14 @@ from typing import Any
 
 from benchmarks import cli
 from benchmarks import report
+from benchmarks.optim_oracle import cooldown as cooldown_lib
 from benchmarks.optim_oracle import drift
 from benchmarks.optim_oracle import problems as problems_lib
 from benchmarks.optim_oracle import sweep as sweep_lib
 from benchmarks.optim_oracle import tables
 from benchmarks.optim_oracle import variants as variants_lib
 
-PARTS = ("matrix", "families", "sweep")
+PARTS = ("matrix", "families", "sweep", "cooldown")
 FORMATS = ("int8", "float8", "int4")
 SMOKE_STEPS = 5
 
@@ -34,7 +35,8 @@ def build_parser() -> Any:
                  help="comma-separated problems (listed below), or all (default: %(default)s)")
   p.add_argument("--parts", default="all", metavar="LIST",
                  help="comma-separated parts: matrix (AdamW against torchao), families (lion and "
-                      "sgd-momentum, coded against float32), sweep; or all (default: %(default)s)")
+                      "sgd-momentum, coded against float32), sweep, cooldown (a warmup-stable-"
+                      "decay schedule to lr 0 on transformer_gelu); or all (default: %(default)s)")
   p.add_argument("--formats", default="all", metavar="LIST",
                  help="comma-separated coded formats to run: " + ", ".join(FORMATS)
                       + "; or all (default: %(default)s)")
@@ -50,13 +52,18 @@ def build_parser() -> Any:
                  help="Adam steps of the sweep (default: %(default)s)")
   p.add_argument("--probe-lr", type=cli.positive_float, default=1e-3,
                  help="Adam's learning rate in the sweep (default: %(default)s)")
+  p.add_argument("--cooldown-steps", type=cli.positive_int, default=cooldown_lib.STEPS,
+                 help=f"steps of the cooldown part, at least {cooldown_lib.MIN_STEPS} (default: "
+                      "%(default)s)")
   p.add_argument("--jobs", type=cli.positive_int, default=min(2, os.cpu_count() or 1),
-                 help="worker processes, one problem (or the sweep) each at a time "
+                 help="worker processes, one problem (or the sweep, or a cooldown variant) each "
+                      "at a time "
                       "(default: %(default)s, the CPU count up to 2)")
   p.add_argument("--out", type=pathlib.Path, help=report.OUT_HELP)
   p.add_argument("--smoke", action="store_true",
-                 help=f"{SMOKE_STEPS} steps per problem, one seed, 4 ratios x 4 rows for 20 steps: "
-                      "a quick check whose bars are not meaningful")
+                 help=f"{SMOKE_STEPS} steps per problem, one seed, 4 ratios x 4 rows for 20 steps, "
+                      f"a cooldown of {cooldown_lib.MIN_STEPS} steps: a quick check whose bars are "
+                      "not meaningful")
   p.add_argument("--strict", action="store_true", help="exit with status 1 if a bar fails")
   return p
 
@@ -75,10 +82,12 @@ def variant_names(parts: list[str], formats: tuple[str, ...] = FORMATS) -> list[
 
 
 def _task(spec: tuple[Any, ...]) -> tuple[str, dict[str, Any]]:
-  """Runs one problem or the sweep (in a worker process, or in this one)."""
+  """Runs one problem, the sweep or one cooldown variant (in a worker process, or in this one)."""
   kind, *args = spec
   if kind == "sweep":
     return kind, sweep_lib.run_sweep(*args)
+  if kind == "cooldown":
+    return f"cooldown {args[0]}", cooldown_lib.run_variant(*args)
   name, seeds, names, steps = args
   return name, drift.run_problem(problems_lib.PROBLEMS[name], seeds, names, steps)
 
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                         "problem")
     parts = cli.choose(args.parts, PARTS, PARTS, "part")
     formats = tuple(cli.choose(args.formats, FORMATS, FORMATS, "format"))
+    cooldown_lib.phases(args.cooldown_steps)
   except ValueError as e:
     parser.error(str(e))
   torch, _ = variants_lib.import_torch()
@@ -136,13 +146,17 @@ def main(argv: list[str] | None = None) -> int:
   seeds = [args.seed + i for i in range(1 if args.smoke else args.seeds)]
   steps = SMOKE_STEPS if args.smoke else None
   names = variant_names(parts, formats)
-  # Longest first: the sweep, then the problems by steps.
+  cooldown_names = cooldown_lib.variant_names(formats) if "cooldown" in parts else []
+  cooldown_steps = cooldown_lib.MIN_STEPS if args.smoke else args.cooldown_steps
+  # Longest first: the sweep, the cooldown (torch's eager steps first), the problems by steps.
   specs: list[tuple[Any, ...]] = []
   if "sweep" in parts:
     specs.append(("sweep", [n for n in sweep_lib.NAMES if variants_lib.VARIANTS[n].format
                             in (None, *formats)], 4 if args.smoke else args.ratios,
                   4 if args.smoke else args.probe_rows, 20 if args.smoke else args.probe_steps,
                   args.probe_lr, args.seed))
+  specs += [("cooldown", n, seeds, cooldown_steps) for n in
+            sorted(cooldown_names, key=lambda n: variants_lib.VARIANTS[n].side != "torch")]
   if names:
     specs += [("problem", n, seeds, names, steps) for n in
               sorted(chosen, key=lambda n: -problems_lib.PROBLEMS[n].steps)]
@@ -151,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
   result: dict[str, Any] = dict(
       problems=problems, sweep=done.get("sweep"),
       summary=dict(ratios=tables.ratio_summary(problems), families=tables.family_summary(problems)))
+  if cooldown_names:
+    result["cooldown"] = cooldown_lib.summarize({n: done[f"cooldown {n}"] for n in cooldown_names})
   result["bars"] = tables.check_bars(result, meaningful=not args.smoke)
   device = jax.devices("cpu")[0]
   meta = report.meta(cli.command(variants_lib.PROG, argv), device, args=cli.args_record(args),

@@ -1,4 +1,4 @@
-"""The oracle's report: the matrix's ratios (median and worst), the sweep, and the bars."""
+"""The oracle's report: the matrix's ratios (median and worst), the sweep, the cooldown, bars."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from benchmarks.optim_oracle import variants as variants_lib
 RATIO_WORST_LIMIT = 1.0
 RATIO_MEDIAN_LIMIT = 0.6
 SWEEP_LIMIT = 1.5
+COOLDOWN_RISE_LIMIT = 0.01  # the held-out loss rises at most 1% while the lr falls to 0
+CODED_JMP = ("jmp_int8", "jmp_float8", "jmp_int4")
 FAMILY_NAMES = ("jmp_lion_int8", "jmp_lion_float8", "jmp_sgdm_int8", "jmp_sgdm_float8")
 
 
@@ -50,7 +52,7 @@ def coded_mismatches(problems: list[dict[str, Any]]) -> list[str]:
 
 
 def check_bars(result: dict[str, Any], meaningful: bool) -> list[dict[str, Any]]:
-  """Worst and median ratio per rival pair, the sweep's worst per jmp format, coded sets equal."""
+  """Ratios per rival pair, each jmp format's worst sweep step and cooldown rise, coded sets."""
   found = []
   for ours, s in result["summary"]["ratios"].items():
     what = f"{ours} drift / {s['rival']} drift"
@@ -59,7 +61,7 @@ def check_bars(result: dict[str, Any], meaningful: bool) -> list[dict[str, Any]]
     found.append(bars_lib.bar("optim_oracle", f"{what}, median over problems", s["median"],
                               RATIO_MEDIAN_LIMIT, meaningful, model="matrix"))
   sweep = result.get("sweep")
-  for n in ("jmp_int8", "jmp_float8", "jmp_int4"):
+  for n in CODED_JMP:
     if sweep is not None and n in sweep["variants"]:
       vs = sweep["variants"][n]["vs_fp32"]
       i = int(np.argmax(np.nan_to_num(vs, nan=np.inf)))
@@ -71,6 +73,13 @@ def check_bars(result: dict[str, Any], meaningful: bool) -> list[dict[str, Any]]
     found.append(bars_lib.bar("optim_oracle", "problems where jmp and torchao coded different "
                               f"parameters{': ' + ', '.join(bad) if bad else ''}", len(bad), 0,
                               meaningful, model="matrix"))
+  cooldown = result.get("cooldown")
+  for n in CODED_JMP:
+    if cooldown is not None and n in cooldown["variants"]:
+      found.append(bars_lib.bar("optim_oracle", f"{n}: largest rise of the held-out loss in the "
+                                f"decay to lr 0, worst seed of {len(cooldown['seeds'])}",
+                                cooldown["variants"][n]["rise_worst"], COOLDOWN_RISE_LIMIT,
+                                meaningful, model="cooldown"))
   return found
 
 
@@ -153,8 +162,43 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
   return lines
 
 
+def cooldown_lines(cooldown: dict[str, Any]) -> list[str]:
+  """The cooldown: what it ran, one row per variant, the median loss at each point, the seeds."""
+  warmup, start = cooldown["phases"]
+  steps, points, seeds = cooldown["steps"], cooldown["points"], cooldown["seeds"]
+  lines = [
+      f"**Cooldown** on {cooldown['problem']}, {steps} steps, seeds {', '.join(map(str, seeds))}: "
+      f"a warmup-stable-decay schedule, lr linear from 0 at step 0 to the peak "
+      f"{cooldown['peak_lr']:g} at step {warmup} ({cooldown['peak_lr'] / cooldown['matrix_lr']:g}x "
+      f"the matrix's constant {cooldown['matrix_lr']:g}), then constant, "
+      f"then linear from the peak at step {start} to 0 at step {steps - 1} (the last "
+      f"{steps - start} steps); weight decay {cooldown['weight_decay']:g}. Both sides take step "
+      "t at the same float32 lr, from one table: an optax schedule reads it at its count, torch's "
+      "param groups are set to it before each step (torchao's lr tensor filled in place). "
+      f"Held-out loss after {points[0]} updates (the decay's start) and after "
+      f"{len(points) - 1} of the decay's steps. Largest rise: the most a loss rose over the lowest "
+      "before it in the decay, worst and median over seeds. Final loss: median over seeds; over "
+      "the same side's float32 AdamW's, median and worst. Diverged: seeds with a loss not finite "
+      "or above twice the decay start's.", "",
+      "| variant | optimizer | largest rise, worst | median | final loss | final / fp32, median |"
+      " worst | diverged | coded |", "|---" * 9 + "|"]
+  v = cooldown["variants"]
+  for n, c in v.items():
+    lines.append(
+        f"| {n} | {variants_lib.VARIANTS[n].what} | {_pct(c['rise_worst'])} | "
+        f"{_pct(c['rise_median'])} | {c['final']:.4f} | {c['vs_fp32_median']:.4f}x | "
+        f"{c['vs_fp32_worst']:.4f}x | {', '.join(map(str, c['diverged'])) or 'none'} | "
+        f"{', '.join(c['coded']) or 'none'} |")
+  lines += ["", "Held-out loss through the decay (median over seeds), by updates done:", "",
+            "| variant | " + " | ".join(map(str, points)) + " |", "|---" * (len(points) + 1) + "|"]
+  lines += [f"| {n} | " + " | ".join(f"{x:.4f}" for x in c["curve"]) + " |" for n, c in v.items()]
+  lines += ["", "Largest rise seed by seed:", ""]
+  lines += [f"- {n}: " + ", ".join(_pct(s["rise"]) for s in c["by_seed"]) for n, c in v.items()]
+  return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
-  """The report: summary, the matrix, final losses, lion and sgd, the sweep, the bars."""
+  """The report: summary, the matrix, final losses, lion and sgd, the sweep, the cooldown, bars."""
   lines = [report.meta_line(result["meta"]), "", f"Measured at commit `{result['meta']['commit']}`.",
            ""]
   problems, summary = result["problems"], result["summary"]
@@ -189,5 +233,8 @@ def markdown(result: dict[str, Any]) -> str:
               "gradients of 1 and odd columns of the ratio (times uniform noise in [0.5, 1.5]); "
               "each optimizer's largest step over the same side's float32 Adam's.", "",
               *sweep_lines(sweep)]
+  cooldown = result.get("cooldown")
+  if cooldown is not None:
+    lines += ["", *cooldown_lines(cooldown)]
   lines += ["", *report.bars_table(result["bars"])]
   return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,9 @@ from benchmarks.optim_oracle import problems as problems_lib
 
 INSTALL = "pip install torch torchao"
 PROG = "python -m benchmarks.optim_oracle"
+
+# ``after_step(t, params)``: called by the trainers after step ``t``'s update.
+AfterStep = Callable[[int, dict[str, Any]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +113,16 @@ def eager_torch_compile(torch: Any) -> Iterator[None]:
 # ------------------------------------------------------------------ the JAX side
 
 
-def make_tx(name: str, lr: float, weight_decay: float) -> optax.GradientTransformation:
-  """``name``'s optax transformation (lion at ``lr / 10``, sgd at ``10 lr``)."""
+def make_tx(name: str, lr: optax.ScalarOrSchedule, weight_decay: float
+            ) -> optax.GradientTransformation:
+  """``name``'s optax transformation (lion at ``lr / 10``, sgd at ``10 lr``).
+
+  Raises:
+    ValueError: ``lr`` is a schedule and ``name`` is not an AdamW.
+  """
   v = VARIANTS[name]
+  if callable(lr) and v.family != "adamw":
+    raise ValueError(f"a learning-rate schedule is for the AdamW variants, got {name!r}")
   if v.family == "adamw":
     tx = optax.adamw(lr, weight_decay=weight_decay)
   elif v.family == "lion":
@@ -143,29 +153,42 @@ def grad_function(problem: problems_lib.Problem) -> Callable[..., Any]:
   return jax.jit(lambda p, x, y, idx: jax.grad(loss)(p, x[idx], y[idx]))
 
 
-def jax_trainer(name: str, problem: problems_lib.Problem, grads: Callable[..., Any]
-                ) -> Callable[..., Any]:
-  """``train(instance, x, y) -> (final params, coded leaves)``, ``x, y`` the pool on the device.
+def jax_trainer(name: str, problem: problems_lib.Problem, grads: Callable[..., Any],
+                lr: optax.ScalarOrSchedule | None = None) -> Callable[..., Any]:
+  """``train(instance, x, y, after_step=None) -> (final params, coded leaves)``, ``x, y`` the pool.
 
   The update is compiled once and reused for each seed; the steps run in a
   Python loop, which compiles far less than a ``lax.scan`` of the whole step
   for every variant would (the gradient is compiled once per problem).
+
+  Args:
+    name: the variant.
+    problem: the problem (its lr, unless ``lr``, and its weight decay).
+    grads: :func:`grad_function`'s function.
+    lr: a learning rate or optax schedule in place of the problem's; a
+      schedule gets the count of earlier updates, so step ``t`` uses
+      ``lr(t)``.
+
+  ``after_step(t, params)``, if given, is called after step ``t``'s update
+  with the parameters as JAX arrays.
   """
-  tx = make_tx(name, problem.lr, problem.weight_decay)
+  tx = make_tx(name, problem.lr if lr is None else lr, problem.weight_decay)
 
   @jax.jit
   def update(p: Any, s: Any, g: Any) -> Any:
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
 
-  def train(inst: problems_lib.Instance, x: Any, y: Any
+  def train(inst: problems_lib.Instance, x: Any, y: Any, after_step: AfterStep | None = None
             ) -> tuple[dict[str, np.ndarray], list[str]]:
     params = {k: jnp.asarray(v) for k, v in inst.params.items()}
     state = tx.init(params)  # outside any jit: init may read the values it is given
     coded = coded_leaves(state, params)
     p = params
-    for idx in inst.batches:
+    for t, idx in enumerate(inst.batches):
       p, state = update(p, state, grads(p, x, y, idx))
+      if after_step is not None:
+        after_step(t, p)
     return {k: np.asarray(v) for k, v in p.items()}, coded
 
   return train
@@ -189,17 +212,52 @@ def torch_coded(opt: Any, params: dict[str, Any]) -> list[str]:
                 if type(opt.state[p].get("exp_avg")) not in (torch.Tensor, type(None)))
 
 
+def set_lr(opt: Any, lr: float) -> None:
+  """Sets every param group's learning rate to ``lr`` for the next ``opt.step()``.
+
+  ``torch.optim.AdamW`` keeps a Python float in ``group["lr"]``; torchao's
+  optimizers turn it into a float32 tensor when the group is added, pass that
+  tensor into each step and raise if it is replaced by a float, so theirs is
+  filled in place.
+  """
+  torch, _ = import_torch()
+  for group in opt.param_groups:
+    if isinstance(group["lr"], torch.Tensor):
+      group["lr"].fill_(lr)
+    else:
+      group["lr"] = lr
+
+
 def torch_train(name: str, problem: problems_lib.Problem, inst: problems_lib.Instance,
-                grads: Callable[..., Any], x: Any, y: Any
-                ) -> tuple[dict[str, np.ndarray], list[str]]:
-  """Trains ``inst`` with ``name``, fed by :func:`grad_function` ``grads`` on the pool ``x, y``."""
+                grads: Callable[..., Any], x: Any, y: Any, lrs: Sequence[float] | None = None,
+                after_step: AfterStep | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+  """Trains ``inst`` with ``name``, fed by :func:`grad_function` ``grads`` on the pool ``x, y``.
+
+  Args:
+    name: the variant.
+    problem: the problem (its lr, unless ``lrs``, and its weight decay).
+    inst: the instance: initial weights and batches.
+    grads: :func:`grad_function`'s function.
+    x, y: the training pool, on the device.
+    lrs: step ``t``'s learning rate is ``lrs[t]`` (set by :func:`set_lr`
+      before each step), in place of the problem's.
+    after_step: called as ``after_step(t, params)`` after step ``t``, with the
+      parameters as NumPy views (valid until the next step).
+
+  Returns:
+    The final parameters and the names of those whose state torchao coded.
+  """
   torch, _ = import_torch()
   p = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in inst.params.items()}
   opt = torch_optimizer(name, list(p.values()), problem.lr, problem.weight_decay)
   with eager_torch_compile(torch):
-    for idx in inst.batches:
+    for t, idx in enumerate(inst.batches):
       g = grads({k: v.detach().numpy().copy() for k, v in p.items()}, x, y, idx)
       for k, v in p.items():
         v.grad = torch.from_numpy(np.array(g[k]))
+      if lrs is not None:
+        set_lr(opt, float(lrs[t]))
       opt.step()
+      if after_step is not None:
+        after_step(t, {k: v.detach().numpy() for k, v in p.items()})
   return {k: v.detach().numpy().copy() for k, v in p.items()}, torch_coded(opt, p)
