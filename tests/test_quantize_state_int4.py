@@ -95,16 +95,57 @@ def test_packed_codes_describe_the_leaf(shape, codes_shape, scales_shape):
       np.asarray(coded_lib.quantize(jnp.asarray(v), "int4", 128, 1, 3).dequantize()), v)
 
 
-def test_int4_is_a_quarter_of_float32_state_and_blocks_of_128_by_default():
+def test_int4_codes_v_in_blocks_of_128_and_m_in_blocks_of_64_with_bfloat16_scales():
   params = {"w": jnp.ones((64, 512))}
   state = jmp.quantize_state(optax.adam(1e-3), "int4").init(params)
   mu, nu = state.inner[0].mu["w"], state.inner[0].nu["w"]
-  for q in (mu, nu):
-    assert q.block_size == 128 and q.codes.shape == (64, 256) and q.scales.shape == (64, 4)
+  assert (nu.block_size, nu.codes.shape, nu.scales.shape, nu.scales.dtype) == (
+      128, (64, 256), (64, 4), jnp.float32)
+  assert (mu.block_size, mu.codes.shape, mu.scales.shape, mu.scales.dtype) == (
+      64, (64, 256), (64, 8), jnp.bfloat16)
+  # 4 bits an element, plus 4 / 128 + 2 / 64 bytes of scales: a quarter of float32's 8, and 1/16.
+  nbytes = sum(x.nbytes for q in (mu, nu) for x in (q.codes, q.scales))
+  assert nbytes == 64 * 512 * (1 + 4 / 128 + 2 / 64)
+  # lion's only moment is a momentum: blocks of 64 too.
+  lion = jmp.quantize_state(optax.lion(1e-4), "int4").init(params).inner[0].mu["w"]
+  assert (lion.block_size, lion.scales.dtype) == (64, jnp.bfloat16)
+  # A block_size given applies to every leaf, with float32 scales.
+  state = jmp.quantize_state(optax.adam(1e-3), "int4", block_size=128).init(params)
+  for q in (state.inner[0].mu["w"], state.inner[0].nu["w"]):
+    assert (q.block_size, q.scales.shape, q.scales.dtype) == (128, (64, 4), jnp.float32)
   assert jmp.quantize_state(optax.adam(1e-3), "int8").init(params).inner[0].mu["w"].block_size == 256
 
 
+def test_bfloat16_scales_round_up_so_every_value_codes_within_its_block():
+  x = jax.random.normal(jax.random.key(3), (16, 64)) * jnp.logspace(-3, 3, 64)
+  q = coded_lib.quantize(x, "int4", 32, 0, 5, False, None, jnp.bfloat16)
+  scales = q.scales.astype(jnp.float32)
+  largest = jnp.abs(x.reshape(16, 2, 32)).max(-1)
+  assert q.scales.dtype == jnp.bfloat16
+  assert bool(jnp.all(jnp.abs(scales) >= largest)) and bool(jnp.all(jnp.abs(scales) < largest * 1.008))
+  assert bool(jnp.all((scales < 0) == (x.reshape(16, 2, 32).min(-1) < 0)))
+  # Unbiased over the draws (the count), against the rounded-up scales.
+  mean = jnp.mean(jnp.stack([coded_lib.quantize(x, "int4", 32, 0, c, False, None,
+                                                jnp.bfloat16).dequantize() for c in range(512)]), 0)
+  np.testing.assert_allclose(np.asarray(mean / jnp.abs(largest).repeat(32, -1).reshape(16, 64)),
+                             np.asarray(x / jnp.abs(largest).repeat(32, -1).reshape(16, 64)),
+                             atol=0.03)
+
+
 # ----------------------------------------------------------------- the codes
+
+
+def test_signed_values_round_on_the_signed_line():
+  # A small draw rounds towards +1 whatever the value's sign, so a momentum's rounding errors
+  # keep their order along its draws (a Weyl sequence) when it changes sign.
+  y = jnp.array([[0.3, -0.3, 0.6, -0.6, 0.1, -0.1] + [1.0] * 122])
+  u = jnp.linspace(0.0, 0.999, 64)[:, None]
+  decoded = codes4.decode(codes4.pack(codes4.encode(jnp.broadcast_to(y, (64, 128)),
+                                                    jnp.array(True), jnp.broadcast_to(u, (64, 128)))),
+                          jnp.array(True))[:, :6]
+  steps = np.diff(np.asarray(decoded), axis=0)
+  assert (steps <= 0).all() and (steps < 0).any(axis=0).all()  # each value takes both neighbours
+  np.testing.assert_allclose(np.asarray(decoded.mean(0)), np.asarray(y[0, :6]), atol=0.01)
 
 
 @pytest.mark.parametrize("block", ["signed", "non-negative"])
@@ -271,5 +312,6 @@ def test_nnx_optimizer_trains():
   ours, optimizer = losses(jmp.quantize_state(optax.adam(1e-3), "int4", min_size=1024))
   ref, _ = losses(optax.adam(1e-3))
   packed = coded(nnx.as_pure(optimizer.opt_state))
-  assert sorted(q.codes.shape for q in packed) == [(8, 64), (8, 64), (32, 64), (32, 64)]
+  # mu in blocks of 64 (l1's along its last axis, l2's flattened), nu in blocks of 128.
+  assert sorted(q.codes.shape for q in packed) == [(8, 64), (16, 32), (32, 64), (32, 64)]
   assert ours[-1] < 0.05 * ours[0] and abs(ours[-1] - ref[-1]) < 0.15 * ref[-1], (ours[-1], ref[-1])

@@ -34,8 +34,8 @@ class LedgerRow(NamedTuple):
       ``"step and key"`` or ``"other"`` (a pytree that is not a ``TrainState``).
     stored_as: the dtype name, or ``"uint8 codes"``, ``"4-bit codes"``
       (two a byte: its elements are codes, its bytes half as many)
-      and ``"float32 scales"`` for state that
-      :func:`jmp_lite.quantize_state` coded.
+      and ``"float32 scales"`` (``"bfloat16 scales"`` for int4's momenta)
+      for state that :func:`jmp_lite.quantize_state` coded.
     elements: the number of elements.
     bytes: their bytes.
   """

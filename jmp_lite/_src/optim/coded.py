@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from jmp_lite._src.optim import codes as codes_lib
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-  """One state leaf in 8 or 4 bits: codes, one float32 scale per block, and how to decode them.
+  """One state leaf in 8 or 4 bits: codes, one scale per block, and how to decode them.
 
   A pytree: ``codes`` and ``scales`` are its children; the rest is static.
 
@@ -33,8 +34,9 @@ class QuantizedArray:
       ``"int4"`` two codes share a byte and the last axis is halved: element
       ``j`` of a block in the low nibble of the block's byte ``j``, element
       ``j + block_size / 2`` in its high nibble.
-    scales: float32, one per block (``codes.shape[:-1] + (blocks,)`` or
-      ``(blocks,)``): the block's largest magnitude, negative for a block
+    scales: one per block (``codes.shape[:-1] + (blocks,)`` or
+      ``(blocks,)``), float32 (bfloat16 for ``"int4"``'s momenta, rounded
+      up): the block's largest magnitude, negative for a block
       with a negative value (coded by ``format``'s signed code), positive for
       a block coded with the non-negative code (of the square root).
     shape: the leaf's shape.
@@ -56,8 +58,8 @@ class QuantizedArray:
     (dtype('uint8'), (2, 1), (2, 256))
     >>> state = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0).init({"w": jnp.ones((2, 256))})
     >>> mu = state.inner[0].mu["w"]
-    >>> mu.codes.shape, mu.scales.shape, mu.dequantize().shape
-    ((2, 128), (2, 2), (2, 256))
+    >>> mu.codes.shape, mu.scales.shape, mu.scales.dtype, mu.dequantize().shape
+    ((2, 128), (2, 4), dtype(bfloat16), (2, 256))
   """
 
   codes: jax.Array
@@ -143,13 +145,15 @@ def as_blocks(x: jax.Array, block_size: int) -> jax.Array:
 
 def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
              count: jax.Array, never_zero: bool = True,
-             scales: jax.Array | None = None) -> QuantizedArray:
+             scales: jax.Array | None = None, scale_dtype: Any = np.float32) -> QuantizedArray:
   """``x`` as a :class:`QuantizedArray` (float32 arithmetic, whatever ``x``'s dtype).
 
   The stochastic rounding draws from :func:`dither` of coded leaf number
   ``leaf`` at update ``count``; ``never_zero`` as :class:`QuantizedArray`'s.
   ``scales`` are the blocks' :func:`jmp_lite._src.optim.codes.block_scales`
-  when the caller has them (from another computation of the same ``x``).
+  when the caller has them (from another computation of the same ``x``);
+  they are stored as ``scale_dtype`` (``codes.stored_scales``: bfloat16
+  rounded up in magnitude, and the codes made against the rounded scale).
 
   A leaf whose blocks split its last axis is coded as blocks (their layout
   is the leaf's). One blocked over its flattened elements (its last axis
@@ -175,29 +179,30 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   stored = (shape[:-1] + (shape[-1] // per_byte,) if _along_last(shape, block_size)
             else blocks[:-1] + (block_size // per_byte,))
   if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
-    return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], jnp.float32),
+    return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], scale_dtype),
                           shape, np.dtype(x.dtype), fmt, block_size, never_zero)
-  codes, scales = _coded(x, count, scales, fmt, block_size, leaf, never_zero)
+  codes, scales = _coded(x, count, scales, fmt, block_size, leaf, never_zero,
+                         np.dtype(scale_dtype))
   return QuantizedArray(codes.reshape(stored), scales.reshape(blocks[:-1]), shape,
                         np.dtype(x.dtype), fmt, block_size, never_zero)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
 def _coded(x: jax.Array, count: jax.Array, scales: jax.Array | None, fmt: str, block_size: int,
-           leaf: int, never_zero: bool) -> tuple[jax.Array, jax.Array]:
+           leaf: int, never_zero: bool, scale_dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
   """:func:`quantize`'s codes and scales, in the blocks' shape (jitted, as :func:`_decoded`)."""
   shape = tuple(x.shape)
   work = _work_shape(_blocked_shape(shape, block_size))
   x_blocks = as_blocks(x, block_size)
-  scales = None if scales is None else scales.reshape(work[:-1])
+  scales = codes_lib.block_scales(x_blocks) if scales is None else scales.reshape(work[:-1])
+  scales = codes_lib.stored_scales(scales, scale_dtype)
   if fmt == "int4" or _along_last(shape, block_size):
-    return codes_lib.encode(x_blocks, fmt, dither(work, leaf, count), never_zero, scales)
-  # In the leaf's shape, then as blocks: a padding element codes 0, as 0.0 does.
-  scales = codes_lib.block_scales(x_blocks) if scales is None else scales
-  codes = as_blocks(codes_lib.encode_elements(
-      x, _per_element(scales, shape, block_size), fmt, dither(shape, leaf, count), never_zero),
-      block_size)
-  return codes, scales
+    codes, _ = codes_lib.encode(x_blocks, fmt, dither(work, leaf, count), never_zero, scales)
+  else:  # In the leaf's shape, then as blocks: a padding element codes 0, as 0.0 does.
+    codes = as_blocks(codes_lib.encode_elements(
+        x, _per_element(scales, shape, block_size), fmt, dither(shape, leaf, count),
+        never_zero), block_size)
+  return codes, scales.astype(scale_dtype)
 
 
 def _per_element(scales: jax.Array, shape: tuple[int, ...], block_size: int) -> jax.Array:

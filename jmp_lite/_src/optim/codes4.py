@@ -32,6 +32,15 @@ from float32 AdamW, against 0.54-1.01x for octave steps below ``1/2``
 
 **Rounding.** Each value is coded as one of its two neighbouring levels, the
 upper with the probability that makes the decoded value right on average.
+"Upper" is on the signed line: a value rounds towards ``+1`` when its draw
+``u`` is under that probability, whatever its sign. An element's draws run
+along a Weyl sequence over the updates (:func:`jmp_lite._src.optim.coded.dither`),
+so its rounding errors alternate evenly instead of adding up; rounding the
+magnitude instead (away from 0 when ``u`` is under the probability) reversed
+the direction of a momentum's errors each time it changed sign and broke that
+evenness. Measured on the 13 problems of ``benchmarks.optim_oracle`` (4
+seeds), the signed line lowered int4's drift from float32 AdamW on 12 of them
+(by 2-4%; the worst ratio over torchao's ``AdamW4bit`` 1.07x -> 1.04x).
 0 is a level of both codes, and a value under the smallest non-zero level
 is rounded to 0 or to it without bias, so a decaying momentum decays to 0
 (its only fixed point) without a bias towards it on the way, whatever the
@@ -64,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _SIGN = 8  # The signed nibble's sign bit; its magnitude is the low three bits.
+_MIRROR = 1.0 - 2.0**-24  # u -> _MIRROR - u maps the draws' grid in [0, 1) onto itself.
 
 
 def _f32_bits(x: float) -> int:
@@ -119,7 +129,7 @@ def encode(y: jax.Array, signed: jax.Array, u: jax.Array, never_zero: bool = Tru
     y: float32 values in ``[-1, 1]``.
     signed: bool, broadcasting against ``y``: the values of blocks coded with
       the signed code.
-    u: uniform draws in ``[0, 1)`` of ``y``'s shape.
+    u: uniform draws in ``[0, 1)`` of ``y``'s shape, multiples of ``2**-24``.
     never_zero: a non-zero value of a non-negative block never codes 0 (it
       rounds up to the smallest level: a leaf the update divides by);
       otherwise a value under the smallest level rounds to it or to 0
@@ -135,7 +145,9 @@ def encode(y: jax.Array, signed: jax.Array, u: jax.Array, never_zero: bool = Tru
     >>> packed.shape, np.asarray(decode(packed, jnp.array([[True]]))).tolist()
     ((1, 2), [[0.0, 0.5, -1.0, 0.25]])
   """
-  k = _SIGNED.encode(jnp.minimum(jnp.abs(y), 1.0), u)
+  # Rounded on the signed line: a negative value rounds towards 0 when u is under the
+  # fraction that a positive one rounds away from it (see "Rounding" above).
+  k = _SIGNED.encode(jnp.minimum(jnp.abs(y), 1.0), jnp.where(y < 0, _MIRROR - u, u))
   signed_codes = k | jnp.where((y < 0) & (k > 0), _SIGN, 0)
   q = _NON_NEGATIVE.encode(jnp.clip(y, 0.0, 1.0), u)
   non_negative = jnp.where(y > 0, jnp.maximum(q, 1), 0) if never_zero else q

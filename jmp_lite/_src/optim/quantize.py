@@ -3,7 +3,7 @@
 The wrapper stores the moments of the inner state (Adam's ``mu`` and ``nu``,
 lion's ``mu``, a momentum ``trace``, a ``MultiSteps`` accumulator) as
 :class:`QuantizedArray` codes with one
-float32 scale per block of ``block_size`` elements (codes in
+scale per block of ``block_size`` elements (codes in
 :mod:`jmp_lite._src.optim.codes`, and :mod:`jmp_lite._src.optim.codes4` for
 ``"int4"``, two codes a byte). Each update runs in float32 inside the
 caller's jit::
@@ -118,7 +118,8 @@ def _requantize(old: Any, new: Any, count: jax.Array,
   for o, n in zip(flat_old, flat_new):
     if _is_quantized(o):
       q = coded.quantize(n.astype(o.dtype), o.format, o.block_size, number, count,
-                         o.never_zero, None if scales is None else scales[number])
+                         o.never_zero, None if scales is None else scales[number],
+                         _unwrapped(o.scales)[0].dtype)
       wrap = _unwrapped(o.codes)[1]  # codes and scales in flax Variables where they were
       n = dataclasses.replace(q, codes=wrap(q.codes), scales=wrap(q.scales))
       number += 1
@@ -162,6 +163,20 @@ def _check_format(fmt: Any) -> str:
   if fmt not in codes_lib.FORMATS:
     raise ValueError(_FORMAT_MSG.format(allowed=codes_lib.FORMATS, value=fmt))
   return fmt
+
+
+def _block(fmt: str, block_size: int | None, divides: bool) -> int:
+  """The block of a leaf: ``block_size`` if given; else the format's default, and for
+  ``"int4"`` a leaf the update does not divide by (a momentum) in blocks of 32."""
+  if block_size is not None:
+    return block_size
+  return codes_lib.INT4_MOMENT_BLOCK if fmt == "int4" and not divides else (
+      codes_lib.DEFAULT_BLOCK_SIZE[fmt])
+
+
+def _scale_dtype(fmt: str, block_size: int | None, divides: bool) -> Any:
+  """bfloat16 for the scales of ``"int4"``'s momenta in default blocks; float32 otherwise."""
+  return jnp.bfloat16 if fmt == "int4" and block_size is None and not divides else jnp.float32
 
 
 def _check_block_size(block_size: Any) -> int:
@@ -226,12 +241,15 @@ def quantize_state(
       cannot be traced is refused. A ``UserWarning`` says so when nothing is
       coded.
     format: ``"int8"``, ``"float8"`` or ``"int4"``.
-    block_size: elements per block, a power of two from 32 to 2**16; by
-      default 256 for the 8-bit formats and 128 for ``"int4"`` (whose float32
-      scale then costs 1/32 byte per element, the same share of its codes as
-      8-bit's). Blocks
-      run along a leaf's last axis when it is a multiple of ``block_size``,
-      else over the flattened leaf.
+    block_size: elements per block of every coded leaf, a power of two from
+      32 to 2**16, with float32 scales. By default (``None``) 256 for the
+      8-bit formats; ``"int4"`` codes a leaf the update divides by (Adam's
+      ``nu``; read from the update's jaxpr) in blocks of 128 with float32
+      scales and the others (Adam's ``mu``, any momentum) in blocks of 64
+      with bfloat16 scales rounded up: the same 3.06 bytes per parameter
+      with bf16 masters as blocks of 128 for both, and less drift
+      (``docs/optimizer_state.md``). Blocks run along a leaf's last axis
+      when it is a multiple of the block, else over the flattened leaf.
     min_size: leaves with fewer elements stay as ``tx`` made them.
     keep: rules for parameters whose state stays as ``tx`` made it: a regex
       (``re.search`` on the ``/``-joined parameter path, as
@@ -277,8 +295,7 @@ def quantize_state(
   """
   _check_tx(tx)
   fmt = _check_format(format)
-  block_size = _check_block_size(codes_lib.DEFAULT_BLOCK_SIZE[fmt] if block_size is None
-                                 else block_size)
+  block_size = None if block_size is None else _check_block_size(block_size)
   min_size = checks.integer("min_size", min_size, minimum=0)
   rules = tuple(policy_lib.compile_rule(r) for r in policy_lib.keep_rules(keep))
   keep_state = policy_lib.keep_rules(keep_state)
@@ -305,8 +322,9 @@ def quantize_state(
                                 "nothing in full precision", "floating state leaves")
     coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
     count = jnp.zeros((), jnp.int32)
-    marked = [  # Placeholders, which _requantize codes in its order.
-        QuantizedArray(x, x, tuple(x.shape), np.dtype(x.dtype), fmt, block_size, d) if c else x
+    marked = [  # Placeholders, which _requantize codes in its order (scales: their dtype).
+        QuantizedArray(x, jnp.zeros((), _scale_dtype(fmt, block_size, d)), tuple(x.shape),
+                       np.dtype(x.dtype), fmt, _block(fmt, block_size, d), d) if c else x
         for (_, x), c, d in zip(flat, coded, divides)]
     inner = _requantize(jax.tree.unflatten(treedef, marked), state, count)
     return QuantizedState(_codes_in_variables(inner), count)
