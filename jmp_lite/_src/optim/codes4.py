@@ -1,8 +1,9 @@
-"""Block-wise 4-bit codes, two to a byte: arithmetic encoders and decoders, one float32 scale per block.
+"""Block-wise 4-bit codes, two to a byte: arithmetic encoders and decoders, one scale per block.
 
 The ``"int4"`` format of :mod:`jmp_lite._src.optim.quantize`. As in the
 8-bit codes (:mod:`jmp_lite._src.optim.codes`), the mode of a block is the
-sign of its float32 scale ``a`` (its largest ``|x|``), chosen from its values
+sign of its scale ``a`` (its largest ``|x|``; float32, or bfloat16 rounded up for a
+momentum), chosen from its values
 at every encode, and the rounding is stochastic and unbiased, with draws from
 :func:`jmp_lite._src.optim.coded.dither`. Both codes are "bit lines":
 a code ``q`` read as the bits of a float32, two codes an octave (one mantissa

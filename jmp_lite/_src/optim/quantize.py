@@ -198,7 +198,7 @@ def quantize_state(
     keep: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
     keep_state: policy_lib.KeepRule | Iterable[policy_lib.KeepRule] = (),
 ) -> optax.GradientTransformationExtraArgs:
-  """Stores ``tx``'s per-parameter state in 8 or 4 bits, one float32 scale per block.
+  """Stores ``tx``'s per-parameter state in 8 or 4 bits, one scale per block.
 
   The update decodes the state to float32, runs ``tx.update`` and codes the
   new state, all inside the caller's jit, where XLA fuses the arithmetic
@@ -265,7 +265,7 @@ def quantize_state(
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`QuantizedState`. ``optax.tree_map_params`` maps its function
     over every array of the state's parameter-shaped parts, so over a
-    coded moment's uint8 codes and float32 scales: a function of the array
+    coded moment's uint8 codes and scales: a function of the array
     alone (``jax.device_put``, reading ``x.sharding``, the identity) works;
     one of the parameter's value (``p * 2``) would compute on codes, and
     with extra parameter trees (a tree of specs) JAX raises its structure
