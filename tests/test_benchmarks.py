@@ -22,12 +22,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from benchmarks import autocast
 from benchmarks import call_overhead
 from benchmarks import bars as bars_lib
 from benchmarks.studies import cpu_profile
+from benchmarks.studies import int4_layouts
 from benchmarks.studies import kahan_limits
 from benchmarks import masters
 from benchmarks import measure
@@ -569,3 +571,38 @@ def test_the_skip_study_adds_pieces_without_changing_the_update():
   assert not bool(jnp.isfinite(skip_gpu.sumsq_of(bad, concat=True)))
   assert float(skip_gpu.sumsq_of(problem.params, concat=True)) == pytest.approx(
       float(skip_gpu.sumsq_of(problem.params, concat=False)), rel=1e-5)
+
+
+# --- benchmarks.studies.int4_layouts (issue 45) ---------------------------------------------------
+
+
+def test_int4_layouts_default_is_quantize_states_update():
+  """The study's fake quantisation of the default layout trains as quantize_state(.., "int4")."""
+  params = {"b": jnp.zeros(64), "w": jnp.ones((64, 128))}
+  grads = [{"b": jnp.full(64, 0.1), "w": jax.random.normal(jax.random.key(i), (64, 128))}
+           for i in range(6)]
+  finals = []
+  for tx in (jmp.quantize_state(optax.adamw(1e-2, weight_decay=1e-2), "int4"),
+             int4_layouts.fake_quantized_adamw("default", 1e-2, 1e-2)):
+    p, state = params, tx.init(params)
+    step = jax.jit(tx.update)
+    for g in grads:
+      u, state = step(g, state, p)
+      p = optax.apply_updates(p, u)
+    finals.append(p)
+  np.testing.assert_allclose(finals[0]["w"], finals[1]["w"], rtol=0, atol=1e-6)
+  other = int4_layouts.fake_quantized_adamw("default", 1e-2, 1e-2, draws=1)
+  p, state = params, other.init(params)
+  for g in grads:
+    u, state = other.update(g, state, p)
+    p = optax.apply_updates(p, u)
+  assert float(jnp.abs(p["w"] - finals[0]["w"]).max()) > 1e-5  # other draws, other codes
+
+
+def test_int4_layouts_smoke_prints_every_layout(capsys):
+  assert int4_layouts.main(["--smoke"]) == 0
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+  assert [r.split(" | ")[0][2:] for r in rows] == list(int4_layouts.LAYOUTS)
+  assert all(r.split(" | ")[4] == "-" for r in rows)  # a smoke run is not compared with torchao
+  with pytest.raises(ValueError, match="layout must be one of"):
+    int4_layouts.coder("rank2")
