@@ -62,10 +62,11 @@ CHILD = textwrap.dedent(
           x, y = jax.random.key_data(x), jax.random.key_data(y)
         assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
-    # format: (block size, codes a byte, tolerance against one device)
-    CASES = {"int8": (256, 1, 3e-2), "int4": (128, 2, 5e-2)}
+    # format: (block_size given, mu's block, nu's block, codes a byte, tolerance against one device);
+    # int4's default: mu in blocks of 64 (bfloat16 scales), nu in blocks of 128 (float32 scales).
+    CASES = {"int8": (256, 256, 256, 1, 3e-2), "int4": (None, 64, 128, 2, 5e-2)}
     for fmt in sys.argv[1:]:
-      block, per_byte, tol = CASES[fmt]
+      block, mu_block, nu_block, per_byte, tol = CASES[fmt]
 
       def make(sharded):
         tx = jmp.dynamic_loss_scaling(
@@ -93,13 +94,15 @@ CHILD = textwrap.dedent(
       assert many.params["w1"].sharding.is_equivalent_to(shardings["w1"], 2)
       close(many, single)
       adam = many.opt_state.inner_state.inner[0]
-      for q in (adam.mu["w1"], adam.nu["w1"]):  # blocks along w1's rows, sharded like w1
+      for q, b in ((adam.mu["w1"], mu_block), (adam.nu["w1"], nu_block)):  # along w1's rows
         assert q.codes.shape == (16, 512 // per_byte), (fmt, q.codes.shape)
-        assert q.scales.shape == (16, 512 // block), (fmt, q.scales.shape)
+        assert q.scales.shape == (16, 512 // b), (fmt, q.scales.shape)
         assert q.codes.sharding.is_equivalent_to(shardings["w1"], 2), q.codes.sharding
         assert q.scales.sharding.is_equivalent_to(shardings["w1"], 2), q.scales.sharding
-      assert adam.mu["w2"].codes.shape == (5120 // block, block // per_byte)
-      assert adam.mu["odd"].codes.shape == (-(-510 // block), block // per_byte)
+      assert adam.mu["w1"].scales.dtype == (jnp.bfloat16 if fmt == "int4" else jnp.float32)
+      for moment, b in ((adam.mu, mu_block), (adam.nu, nu_block)):
+        assert moment["w2"].codes.shape == (5120 // b, b // per_byte)
+        assert moment["odd"].codes.shape == (-(-510 // b), b // per_byte)
       assert adam.nu["odd"].shape == (510,)
 
       # orbax: save after 3 steps on the mesh; restore on the mesh (bit for bit) and on one device.
