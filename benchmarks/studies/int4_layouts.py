@@ -24,6 +24,9 @@ Layouts:
   and its column's largest ``nu`` (Li, Chen and Zhu, NeurIPS 2023), coded with
   the same 4-bit non-negative code: no block scales (row and column maxima
   instead, a few bytes per row). Not a format of ``quantize_state``.
+- ``rank1_v_m32``: ``rank1_v`` with ``mu`` in blocks of 32 (bfloat16 scales):
+  the scale bytes ``v`` no longer needs, spent on ``mu`` (3.06 bytes per
+  parameter, as the default).
 
 The fake quantisation reproduces ``quantize_state`` (``default`` against the
 oracle at b12a3bc: 1.006x against 1.005x on gelu_deep_fast, 0.785x against
@@ -48,7 +51,7 @@ from benchmarks.optim_oracle import variants as variants_lib
 from jmp_lite._src.optim import coded
 from jmp_lite._src.optim import codes4
 
-LAYOUTS = ("stop53", "default", "rank1_v")
+LAYOUTS = ("stop53", "default", "rank1_v", "rank1_v_m32")
 REFERENCE = pathlib.Path("benchmarks/results/optim-oracle-int4-cpu-x86_64-2026-11-29.json")
 MIN_SIZE = 4096  # the oracle's coded leaves (torchao's threshold)
 _U24 = 2.0**-24
@@ -83,7 +86,8 @@ def coder(layout: str) -> tuple[Callable[..., jax.Array], Callable[..., jax.Arra
   if layout == "stop53":
     return (lambda x, i, c: _blocks(x, 128, i, c, False, jnp.float32),
             lambda x, i, c: _blocks(x, 128, i, c, True, jnp.float32))
-  code_mu = lambda x, i, c: _blocks(x, 64, i, c, False, jnp.bfloat16)
+  mu_block = 32 if layout == "rank1_v_m32" else 64
+  code_mu = lambda x, i, c: _blocks(x, mu_block, i, c, False, jnp.bfloat16)
   if layout == "default":
     return code_mu, lambda x, i, c: _blocks(x, 128, i, c, True, jnp.float32)
   return code_mu, lambda x, i, c: rank1(x, i, c) if x.ndim >= 2 else _blocks(
