@@ -154,7 +154,8 @@ def grad_function(problem: problems_lib.Problem) -> Callable[..., Any]:
 
 
 def jax_trainer(name: str, problem: problems_lib.Problem, grads: Callable[..., Any],
-                lr: optax.ScalarOrSchedule | None = None) -> Callable[..., Any]:
+                lr: optax.ScalarOrSchedule | None = None,
+                tx: optax.GradientTransformation | None = None) -> Callable[..., Any]:
   """``train(instance, x, y, after_step=None) -> (final params, coded leaves)``, ``x, y`` the pool.
 
   The update is compiled once and reused for each seed; the steps run in a
@@ -168,11 +169,13 @@ def jax_trainer(name: str, problem: problems_lib.Problem, grads: Callable[..., A
     lr: a learning rate or optax schedule in place of the problem's; a
       schedule gets the count of earlier updates, so step ``t`` uses
       ``lr(t)``.
+    tx: a transformation in place of ``name``'s (a study's variant of it).
 
   ``after_step(t, params)``, if given, is called after step ``t``'s update
   with the parameters as JAX arrays.
   """
-  tx = make_tx(name, problem.lr if lr is None else lr, problem.weight_decay)
+  if tx is None:
+    tx = make_tx(name, problem.lr if lr is None else lr, problem.weight_decay)
 
   @jax.jit
   def update(p: Any, s: Any, g: Any) -> Any:

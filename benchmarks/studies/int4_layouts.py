@@ -124,13 +124,9 @@ def screen(layout: str, problem: problems_lib.Problem, seeds: int, steps: int | 
   """``layout`` on ``problem``: its mean drift, over ``AdamW4bit``'s, and its loss over float32's."""
   grads = variants_lib.grad_function(problem)
   loss = jax.jit(problems_lib.make_loss(problem))
-  original = variants_lib.make_tx
-  variants_lib.make_tx = lambda name, lr, wd, *rest: (  # type: ignore[assignment]
-      fake_quantized_adamw(layout, lr, wd, draws) if name == "jmp_int4" else original(name, lr, wd, *rest))
-  try:
-    trainers = {n: variants_lib.jax_trainer(n, problem, grads) for n in ("optax_adamw", "jmp_int4")}
-  finally:
-    variants_lib.make_tx = original
+  coded_tx = fake_quantized_adamw(layout, problem.lr, problem.weight_decay, draws)
+  trainers = {"optax_adamw": variants_lib.jax_trainer("optax_adamw", problem, grads),
+              "jmp_int4": variants_lib.jax_trainer("jmp_int4", problem, grads, tx=coded_tx)}
   drifts, losses = [], []
   for seed in range(seeds):
     inst = problems_lib.instance(problem, seed, steps)

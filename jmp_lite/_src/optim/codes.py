@@ -218,6 +218,10 @@ def block_scales(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.min(x, axis=-1) < 0, -a, a)
 
 
+_BF16_MAX_BITS = 0x7F7F0000  # bfloat16's largest finite value, as float32 bits
+_F32_INF_BITS = 0x7F800000
+
+
 def stored_scales(scales: jax.Array, dtype: Any) -> jax.Array:
   """Float32 ``scales`` (from :func:`block_scales`) as ``dtype`` holds them, still float32.
 
@@ -239,10 +243,6 @@ def stored_scales(scales: jax.Array, dtype: Any) -> jax.Array:
   up = jnp.minimum((bits + 0xFFFF) & jnp.int32(-0x10000), _BF16_MAX_BITS)
   up = jax.lax.bitcast_convert_type(jnp.where(bits >= _F32_INF_BITS, bits, up), jnp.float32)
   return jnp.where(scales < 0, -up, up)
-
-
-_BF16_MAX_BITS = 0x7F7F0000  # bfloat16's largest finite value, as float32 bits
-_F32_INF_BITS = 0x7F800000
 
 
 def encode(x: jax.Array, fmt: str, bits: jax.Array, never_zero: bool = True,

@@ -165,18 +165,15 @@ def _check_format(fmt: Any) -> str:
   return fmt
 
 
-def _block(fmt: str, block_size: int | None, divides: bool) -> int:
-  """The block of a leaf: ``block_size`` if given; else the format's default, and for
-  ``"int4"`` a leaf the update does not divide by (a momentum) in blocks of 32."""
+def _layout(fmt: str, block_size: int | None, divides: bool) -> tuple[int, Any]:
+  """A coded leaf's block and scale dtype: ``block_size`` and float32 if given; else the
+  format's default with float32, except ``"int4"``'s momenta (a leaf the update does not
+  divide by): blocks of ``codes.INT4_MOMENT_BLOCK`` with bfloat16 scales."""
   if block_size is not None:
-    return block_size
-  return codes_lib.INT4_MOMENT_BLOCK if fmt == "int4" and not divides else (
-      codes_lib.DEFAULT_BLOCK_SIZE[fmt])
-
-
-def _scale_dtype(fmt: str, block_size: int | None, divides: bool) -> Any:
-  """bfloat16 for the scales of ``"int4"``'s momenta in default blocks; float32 otherwise."""
-  return jnp.bfloat16 if fmt == "int4" and block_size is None and not divides else jnp.float32
+    return block_size, jnp.float32
+  if fmt == "int4" and not divides:
+    return codes_lib.INT4_MOMENT_BLOCK, jnp.bfloat16
+  return codes_lib.DEFAULT_BLOCK_SIZE[fmt], jnp.float32
 
 
 def _check_block_size(block_size: Any) -> int:
@@ -223,7 +220,7 @@ def quantize_state(
   block (a second moment, in either format) as a uint8 code of
   ``sqrt(x / a)``, linear at the top of the block and read as float32 bits
   below, down to 0.008 of the block's largest ``sqrt(v)`` (smaller values
-  of a divisor such as ``v`` round up to it). The mode is the sign of the block's float32 scale. Rounding
+  of a divisor such as ``v`` round up to it). The mode is the sign of the block's scale. Rounding
   is stochastic and unbiased, so moving averages keep following their
   input (see :mod:`jmp_lite._src.optim.codes`). ``"int4"`` codes both kinds
   of block in 4 bits, two codes a byte (:mod:`jmp_lite._src.optim.codes4`):
@@ -322,10 +319,11 @@ def quantize_state(
                                 "nothing in full precision", "floating state leaves")
     coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
     count = jnp.zeros((), jnp.int32)
+    layouts = [_layout(fmt, block_size, d) for d in divides]
     marked = [  # Placeholders, which _requantize codes in its order (scales: their dtype).
-        QuantizedArray(x, jnp.zeros((), _scale_dtype(fmt, block_size, d)), tuple(x.shape),
-                       np.dtype(x.dtype), fmt, _block(fmt, block_size, d), d) if c else x
-        for (_, x), c, d in zip(flat, coded, divides)]
+        QuantizedArray(x, jnp.zeros((), dtype), tuple(x.shape), np.dtype(x.dtype), fmt, block,
+                       d) if c else x
+        for (_, x), c, d, (block, dtype) in zip(flat, coded, divides, layouts)]
     inner = _requantize(jax.tree.unflatten(treedef, marked), state, count)
     return QuantizedState(_codes_in_variables(inner), count)
 
