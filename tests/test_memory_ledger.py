@@ -52,8 +52,8 @@ def test_bf16_stochastic_masters_and_int4_state_persist_in_at_most_3_1_bytes_per
   ledger = jmp.memory_ledger(lean_int8_state(format="int4"))
   rows = {(r.part, r.stored_as): (r.elements, r.bytes) for r in ledger.rows}
   assert rows[("optimizer state", "4-bit codes")] == (2 * N_MATRIX, N_MATRIX)  # two codes a byte
-  assert rows[("optimizer state", "float32 scales")][1] == 4 * N_MATRIX // 128  # nu's blocks
-  assert rows[("optimizer state", "bfloat16 scales")][1] == 2 * N_MATRIX // 64  # mu's blocks
+  assert rows[("optimizer state", "float32 scales")][1] == 4 * N_MATRIX // 256  # nu's blocks
+  assert rows[("optimizer state", "bfloat16 scales")][1] == 2 * N_MATRIX // 32  # mu's blocks
   assert ledger.bytes_per_param <= 3.1
 
 

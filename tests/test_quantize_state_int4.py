@@ -71,8 +71,9 @@ def test_pack_and_unpack_round_trip():
   packed = codes4.pack(codes)
   assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 32)
   assert np.array_equal(codes4.unpack(packed), codes)
-  # element j in the low nibble of byte j, element j + 32 in its high nibble
-  assert int(packed[0, 0, 0]) == int(codes[0, 0, 0]) | int(codes[0, 0, 32]) << 4
+  # element 2j in the low nibble of byte j, element 2j + 1 in its high nibble
+  for j in (0, 7, 31):
+    assert int(packed[1, 2, j]) == int(codes[1, 2, 2 * j]) | int(codes[1, 2, 2 * j + 1]) << 4
 
 
 @pytest.mark.parametrize("shape, codes_shape, scales_shape", [
@@ -80,6 +81,7 @@ def test_pack_and_unpack_round_trip():
     ((3, 5, 7), (1, 64), (1,)),  # 105 elements, odd: flattened and padded to a block
     ((257,), (3, 64), (3,)),  # one element over two blocks
     ((129, 3), (4, 64), (4,)),
+    ((3, 12, 10), (3, 64), (3,)),  # 360 elements, an even last axis: coded in its own shape
 ])
 def test_packed_codes_describe_the_leaf(shape, codes_shape, scales_shape):
   # Values on the codes' levels (signed and non-negative blocks) decode exactly.
@@ -95,25 +97,38 @@ def test_packed_codes_describe_the_leaf(shape, codes_shape, scales_shape):
       np.asarray(coded_lib.quantize(jnp.asarray(v), "int4", 128, 1, 3).dequantize()), v)
 
 
-def test_int4_codes_v_in_blocks_of_128_and_m_in_blocks_of_64_with_bfloat16_scales():
+def test_int4_codes_v_in_blocks_of_256_and_m_in_blocks_of_32_with_bfloat16_scales():
   params = {"w": jnp.ones((64, 512))}
   state = jmp.quantize_state(optax.adam(1e-3), "int4").init(params)
   mu, nu = state.inner[0].mu["w"], state.inner[0].nu["w"]
   assert (nu.block_size, nu.codes.shape, nu.scales.shape, nu.scales.dtype) == (
-      128, (64, 256), (64, 4), jnp.float32)
+      256, (64, 256), (64, 2), jnp.float32)
   assert (mu.block_size, mu.codes.shape, mu.scales.shape, mu.scales.dtype) == (
-      64, (64, 256), (64, 8), jnp.bfloat16)
-  # 4 bits an element, plus 4 / 128 + 2 / 64 bytes of scales: a quarter of float32's 8, and 1/16.
+      32, (64, 256), (64, 16), jnp.bfloat16)
+  # 4 bits an element, plus 4 / 256 + 2 / 32 bytes of scales: 1.08 bytes, against float32's 8.
   nbytes = sum(x.nbytes for q in (mu, nu) for x in (q.codes, q.scales))
-  assert nbytes == 64 * 512 * (1 + 4 / 128 + 2 / 64)
-  # lion's only moment is a momentum: blocks of 64 too.
+  assert nbytes == 64 * 512 * (1 + 4 / 256 + 2 / 32)
+  # lion's only moment is a momentum: blocks of 32 too.
   lion = jmp.quantize_state(optax.lion(1e-4), "int4").init(params).inner[0].mu["w"]
-  assert (lion.block_size, lion.scales.dtype) == (64, jnp.bfloat16)
+  assert (lion.block_size, lion.scales.dtype) == (32, jnp.bfloat16)
   # A block_size given applies to every leaf, with float32 scales.
   state = jmp.quantize_state(optax.adam(1e-3), "int4", block_size=128).init(params)
   for q in (state.inner[0].mu["w"], state.inner[0].nu["w"]):
     assert (q.block_size, q.scales.shape, q.scales.dtype) == (128, (64, 4), jnp.float32)
   assert jmp.quantize_state(optax.adam(1e-3), "int8").init(params).inner[0].mu["w"].block_size == 256
+
+
+def test_codes_do_not_depend_on_the_leafs_shape():
+  # A leaf with an even last axis is coded in its own shape and one with an odd last axis
+  # as blocks (codes4 pairs neighbours): the same elements get the same codes and scales.
+  x = jax.random.normal(jax.random.key(2), (360,)) * jnp.logspace(-2, 1, 360)
+  for fmt in ("int4", "int8"):
+    even, odd = (coded_lib.quantize(x.reshape(s), fmt, 128, 3, jnp.int32(9))
+                 for s in ((3, 12, 10), (72, 5)))
+    np.testing.assert_array_equal(np.asarray(even.codes), np.asarray(odd.codes))
+    np.testing.assert_array_equal(np.asarray(even.scales), np.asarray(odd.scales))
+    np.testing.assert_array_equal(np.asarray(even.dequantize()).ravel(),
+                                  np.asarray(odd.dequantize()).ravel())
 
 
 def test_bfloat16_scales_round_up_so_every_value_codes_within_its_block():
@@ -312,6 +327,6 @@ def test_nnx_optimizer_trains():
   ours, optimizer = losses(jmp.quantize_state(optax.adam(1e-3), "int4", min_size=1024))
   ref, _ = losses(optax.adam(1e-3))
   packed = coded(nnx.as_pure(optimizer.opt_state))
-  # mu in blocks of 64 (l1's along its last axis, l2's flattened), nu in blocks of 128.
-  assert sorted(q.codes.shape for q in packed) == [(8, 64), (16, 32), (32, 64), (32, 64)]
+  # mu in blocks of 32 (l1's along its last axis, l2's flattened), nu in flattened blocks of 256.
+  assert sorted(q.codes.shape for q in packed) == [(4, 128), (16, 128), (32, 16), (32, 64)]
   assert ours[-1] < 0.05 * ours[0] and abs(ours[-1] - ref[-1]) < 0.15 * ref[-1], (ours[-1], ref[-1])

@@ -63,8 +63,8 @@ CHILD = textwrap.dedent(
         assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
     # format: (block_size given, mu's block, nu's block, codes a byte, tolerance against one device);
-    # int4's default: mu in blocks of 64 (bfloat16 scales), nu in blocks of 128 (float32 scales).
-    CASES = {"int8": (256, 256, 256, 1, 3e-2), "int4": (None, 64, 128, 2, 5e-2)}
+    # int4's default: mu in blocks of 32 (bfloat16 scales), nu in blocks of 256 (float32 scales).
+    CASES = {"int8": (256, 256, 256, 1, 3e-2), "int4": (None, 32, 256, 2, 5e-2)}
     for fmt in sys.argv[1:]:
       block, mu_block, nu_block, per_byte, tol = CASES[fmt]
 

@@ -13,24 +13,31 @@ measured as the oracle does, from the same side's float32 AdamW, and divided
 by torchao ``AdamW4bit``'s drift from the committed oracle run
 (``--reference``, same problems and seeds), so no torch is needed.
 
-Layouts:
+Layouts (``mu`` with bfloat16 scales unless said; bytes per parameter with
+bf16 masters):
 
-- ``stop53``: both moments in blocks of 128, float32 scales (the layout until
-  stop 54; ``quantize_state(..., "int4", block_size=128)``).
-- ``default``: ``mu`` in blocks of 64 with bfloat16 scales, ``nu`` in blocks
-  of 128 with float32 scales (``quantize_state(..., "int4")``).
-- ``rank1_v``: ``mu`` as ``default``; ``nu`` of a matrix (a leaf as rows of
+- ``stop53``: both moments in blocks of 128, float32 scales (3.06; the layout
+  until stop 54, and torchao ``AdamW4bit``'s;
+  ``quantize_state(..., "int4", block_size=128)``).
+- ``stop54``: ``mu`` in blocks of 64, ``nu`` in blocks of 128 with float32
+  scales (3.06; stop 54's default).
+- ``default``: ``mu`` in blocks of 32, ``nu`` in blocks of 256 with float32
+  scales (3.08; ``quantize_state(..., "int4")`` since stop 55).
+- ``m32_v128``: ``mu`` in blocks of 32, ``nu`` in blocks of 128 with float32
+  scales (3.09).
+- ``m32_v128bf16``: the same with bfloat16 scales for ``nu`` (3.08).
+- ``rank1_v``: ``mu`` as ``stop54``; ``nu`` of a matrix (a leaf as rows of
   its last axis) normalised rank-1, each element by the smaller of its row's
   and its column's largest ``nu`` (Li, Chen and Zhu, NeurIPS 2023), coded with
   the same 4-bit non-negative code: no block scales (row and column maxima
-  instead, a few bytes per row). Not a format of ``quantize_state``.
-- ``rank1_v_m32``: ``rank1_v`` with ``mu`` in blocks of 32 (bfloat16 scales):
-  the scale bytes ``v`` no longer needs, spent on ``mu`` (3.06 bytes per
-  parameter, as the default).
+  instead, a few bytes per row). Not a layout of ``quantize_state``: on
+  XLA:GPU the column maxima of the new ``nu`` (a reduction over its leading
+  axis) are computed from a float32 copy of it.
+- ``rank1_v_m32``: ``rank1_v`` with ``mu`` in blocks of 32 (3.06).
 
-The fake quantisation reproduces ``quantize_state`` (``default`` against the
-oracle at b12a3bc: 1.006x against 1.005x on gelu_deep_fast, 0.785x against
-0.78x on mlp_tanh; the draws differ, the codes are the same).
+The fake quantisation reproduces ``quantize_state`` (``stop54`` against the
+oracle at b12a3bc: 73.54% drift on gelu_deep_fast, as the oracle;
+``tests/test_benchmarks.py`` checks ``default`` against ``quantize_state``).
 """
 
 from __future__ import annotations
@@ -51,7 +58,16 @@ from benchmarks.optim_oracle import variants as variants_lib
 from jmp_lite._src.optim import coded
 from jmp_lite._src.optim import codes4
 
-LAYOUTS = ("stop53", "default", "rank1_v", "rank1_v_m32")
+# name -> (mu's block, its scales' dtype, nu's block or "rank1", its scales' dtype)
+LAYOUTS: dict[str, tuple[Any, ...]] = {
+    "stop53": (128, jnp.float32, 128, jnp.float32),
+    "stop54": (64, jnp.bfloat16, 128, jnp.float32),
+    "default": (32, jnp.bfloat16, 256, jnp.float32),
+    "m32_v128": (32, jnp.bfloat16, 128, jnp.float32),
+    "m32_v128bf16": (32, jnp.bfloat16, 128, jnp.bfloat16),
+    "rank1_v": (64, jnp.bfloat16, "rank1", jnp.float32),
+    "rank1_v_m32": (32, jnp.bfloat16, "rank1", jnp.float32),
+}
 REFERENCE = pathlib.Path("benchmarks/results/optim-oracle-int4-cpu-x86_64-2026-11-29.json")
 MIN_SIZE = 4096  # the oracle's coded leaves (torchao's threshold)
 _U24 = 2.0**-24
@@ -82,24 +98,22 @@ def rank1(x: jax.Array, leaf: int, count: jax.Array) -> jax.Array:
 def coder(layout: str) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
   """``(code_mu, code_nu)``: ``f(x, leaf, count)`` -> ``x`` coded and decoded in ``layout``."""
   if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if layout == "stop53":
-    return (lambda x, i, c: _blocks(x, 128, i, c, False, jnp.float32),
-            lambda x, i, c: _blocks(x, 128, i, c, True, jnp.float32))
-  mu_block = 32 if layout == "rank1_v_m32" else 64
-  code_mu = lambda x, i, c: _blocks(x, mu_block, i, c, False, jnp.bfloat16)
-  if layout == "default":
-    return code_mu, lambda x, i, c: _blocks(x, 128, i, c, True, jnp.float32)
+    raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+  mu_block, mu_scales, nu_block, nu_scales = LAYOUTS[layout]
+  code_mu = lambda x, i, c: _blocks(x, mu_block, i, c, False, mu_scales)
+  if nu_block != "rank1":
+    return code_mu, lambda x, i, c: _blocks(x, nu_block, i, c, True, nu_scales)
   return code_mu, lambda x, i, c: rank1(x, i, c) if x.ndim >= 2 else _blocks(
       x, 128, i, c, True, jnp.float32)
 
 
-def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int = 0
-                         ) -> optax.GradientTransformation:
+def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int = 0,
+                         min_size: int = MIN_SIZE) -> optax.GradientTransformation:
   """optax AdamW whose new moments are coded and decoded in ``layout`` after each update.
 
   ``draws`` other than 0 shifts the coded leaves' numbers, so their rounding
-  draws another sequence: how much a result owes to the draws.
+  draws another sequence: how much a result owes to the draws. Leaves of
+  fewer than ``min_size`` elements are not coded (``quantize_state``'s).
   """
   inner = optax.adamw(lr, weight_decay=weight_decay)
   code_mu, code_nu = coder(layout)
@@ -108,7 +122,7 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
     updates, state = inner.update(grads, state, params)
     adam = state[0]
     # Coded leaves numbered as quantize_state numbers them (its draws): mu's, then nu's.
-    big = [k for k in sorted(adam.mu) if adam.mu[k].size >= MIN_SIZE]
+    big = [k for k in sorted(adam.mu) if adam.mu[k].size >= min_size]
     count = adam.count - 1  # quantize_state codes update t with draws t (its own step)
     first = 1000 * draws
     mu = {**adam.mu, **{k: code_mu(adam.mu[k], first + i, count) for i, k in enumerate(big)}}
@@ -120,11 +134,12 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
 
 
 def screen(layout: str, problem: problems_lib.Problem, seeds: int, steps: int | None,
-           reference: dict[str, list[float]], draws: int = 0) -> dict[str, Any]:
+           reference: dict[str, list[float]], draws: int = 0,
+           min_size: int = MIN_SIZE) -> dict[str, Any]:
   """``layout`` on ``problem``: its mean drift, over ``AdamW4bit``'s, and its loss over float32's."""
   grads = variants_lib.grad_function(problem)
   loss = jax.jit(problems_lib.make_loss(problem))
-  coded_tx = fake_quantized_adamw(layout, problem.lr, problem.weight_decay, draws)
+  coded_tx = fake_quantized_adamw(layout, problem.lr, problem.weight_decay, draws, min_size)
   trainers = {"optax_adamw": variants_lib.jax_trainer("optax_adamw", problem, grads),
               "jmp_int4": variants_lib.jax_trainer("jmp_int4", problem, grads, tx=coded_tx)}
   drifts, losses = [], []
@@ -151,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="an optim_oracle JSON with torchao_adamw4bit's drifts (default: %(default)s)")
   p.add_argument("--draws", default="0", help="comma-separated draw sequences (0: quantize_state's; "
                  "others shift the coded leaves' numbers), each a row (default: %(default)s)")
+  p.add_argument("--min-size", type=int, default=MIN_SIZE, help="leaves of fewer elements are not "
+                 "coded (torchao's threshold, quantize_state's default: %(default)s)")
   p.add_argument("--smoke", action="store_true", help="one problem, one seed, 5 steps")
   args = p.parse_args(argv)
   names = list(problems_lib.PROBLEMS) if args.problems == "all" else args.problems.split(",")
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     for draws in (int(d) for d in args.draws.split(",")):
       ratios = []
       for name in names:
-        r = screen(layout, problems_lib.PROBLEMS[name], seeds, steps, reference, draws)
+        r = screen(layout, problems_lib.PROBLEMS[name], seeds, steps, reference, draws,
+                   args.min_size)
         ratios.append(r["vs_adamw4bit"])
         ratio = "-" if r["vs_adamw4bit"] is None else f"{r['vs_adamw4bit']:.3f}x"
         print(f"| {layout} | {draws} | {name} | {r['drift']:.2%} | {ratio} | "

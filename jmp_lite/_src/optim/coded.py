@@ -19,6 +19,7 @@ import numpy as np
 
 from jmp_lite._src import masters
 from jmp_lite._src.optim import codes as codes_lib
+from jmp_lite._src.optim import codes4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,8 @@ class QuantizedArray:
       multiple of ``block_size`` (blocks run along it); otherwise
       ``(blocks, block_size)`` over the flattened, zero-padded leaf. For
       ``"int4"`` two codes share a byte and the last axis is halved: element
-      ``j`` of a block in the low nibble of the block's byte ``j``, element
-      ``j + block_size / 2`` in its high nibble.
+      ``2j`` of a block in the low nibble of the block's byte ``j``, element
+      ``2j + 1`` in its high nibble.
     scales: one per block (``codes.shape[:-1] + (blocks,)`` or
       ``(blocks,)``), float32 (bfloat16 for ``"int4"``'s momenta, rounded
       up): the block's largest magnitude, negative for a block
@@ -59,7 +60,7 @@ class QuantizedArray:
     >>> state = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0).init({"w": jnp.ones((2, 256))})
     >>> mu = state.inner[0].mu["w"]
     >>> mu.codes.shape, mu.scales.shape, mu.scales.dtype, mu.dequantize().shape
-    ((2, 128), (2, 4), dtype(bfloat16), (2, 256))
+    ((2, 128), (2, 8), dtype(bfloat16), (2, 256))
   """
 
   codes: jax.Array
@@ -164,12 +165,12 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   buffer before coding it (the 134M Transformer of
   ``benchmarks.optim_state``: 141 MiB of update temp against optax AdamW's
   94; 8 MiB in its own shape). The draws (:func:`dither` hashes the flat
-  index) and so the codes are bitwise the same. ``"int4"`` pairs codes
-  half a block apart in a byte and codes blocks (in the leaf's shape, XLA
-  wrote the unpacked codes of the CNN's convolutions to buffers: 1.5x the
-  temp); so does a leaf blocked along its last axis (in the leaf's shape,
-  XLA wrote the benchmark LSTM's int8 embedding to float32: 2.0x optax's
-  temp, against 0.04x as blocks).
+  index) and so the codes are bitwise the same. ``"int4"`` packs
+  neighbouring elements in a byte, so it does the same where the leaf's
+  last axis is even (its pairs are then the flattened leaf's); with an odd
+  last axis it codes blocks. A leaf blocked along its last axis is coded as
+  blocks (in the leaf's shape, XLA wrote the benchmark LSTM's int8
+  embedding to float32: 2.0x optax's temp, against 0.04x as blocks).
   """
   shape = tuple(x.shape)
   blocks = _blocked_shape(shape, block_size)
@@ -196,12 +197,13 @@ def _coded(x: jax.Array, count: jax.Array, scales: jax.Array | None, fmt: str, b
   x_blocks = as_blocks(x, block_size)
   scales = codes_lib.block_scales(x_blocks) if scales is None else scales.reshape(work[:-1])
   scales = codes_lib.stored_scales(scales, scale_dtype)
-  if fmt == "int4" or _along_last(shape, block_size):
+  per_byte = codes_lib.codes_per_byte(fmt)
+  if not shape or _along_last(shape, block_size) or shape[-1] % per_byte:
     codes, _ = codes_lib.encode(x_blocks, fmt, dither(work, leaf, count), never_zero, scales)
   else:  # In the leaf's shape, then as blocks: a padding element codes 0, as 0.0 does.
-    codes = as_blocks(codes_lib.encode_elements(
-        x, _per_element(scales, shape, block_size), fmt, dither(shape, leaf, count),
-        never_zero), block_size)
+    codes = codes_lib.encode_elements(x, _per_element(scales, shape, block_size), fmt,
+                                      dither(shape, leaf, count), never_zero)
+    codes = as_blocks(codes4.pack(codes) if fmt == "int4" else codes, block_size // per_byte)
   return codes, scales.astype(scale_dtype)
 
 

@@ -99,17 +99,18 @@ from jmp_lite._src.optim import codes4
 FORMATS = ("int8", "float8", "int4")
 # Elements per block a format codes by default, with float32 scales. For int4 this is the
 # block of a leaf the update divides by (Adam's v); its other leaves (Adam's m) are coded
-# in blocks of INT4_MOMENT_BLOCK with bfloat16 scales: 2 + 1 + 4/128 + 2/64 = 3.06 bytes per
-# parameter with bf16 masters, as with blocks of 128 and float32 scales for both (torchao
-# AdamW4bit's layout). Screened on benchmarks.optim_oracle's 13 problems (4 seeds; the
-# worst mean drift over AdamW4bit's): 128 for both, 1.04x; m in 64 (bfloat16 scales) and v
-# in 128, 1.00x, median 0.69x; m in 32 and v in 256, 0.99x, but XLA:GPU kept a float32
-# copy of each leaf between the passes of an update with blocks of 32 (any format: a
-# 1024 x 1024 matrix's update temp 5.3 MiB against 1.2 MiB at 64). v's scale must be
-# float32: bfloat16 scales for v took tanh_slow from 0.72x to 0.84x (a block's largest v no
-# longer codes exactly), and power-of-two scales for m cost 0.03-0.07x everywhere.
-DEFAULT_BLOCK_SIZE = {"int8": 256, "float8": 256, "int4": 128}
-INT4_MOMENT_BLOCK = 64
+# in blocks of INT4_MOMENT_BLOCK with bfloat16 scales: 2 + 0.5 + 2/32 + 0.5 + 4/256 = 3.08
+# bytes per parameter with bf16 masters. Screened on benchmarks.optim_oracle's 13
+# problems (4 seeds; the worst mean drift over torchao AdamW4bit's, then the median): both
+# in 128 (AdamW4bit's layout), 1.04x; m in 64 and v in 128 (stop 54), 1.005x, 0.71x; m in
+# 32 and v in 256, 0.991x (0.974-0.991x over five draw sequences), 0.71x; m in 32 and v in
+# 128, 0.974x, but 3.094 bytes (3.10-3.12 on the benchmark models); v's scales in bfloat16
+# (3.078 bytes) broke the tests of a forgetting v and of the largest step (a block's
+# largest v no longer codes exactly); power-of-two scales for m cost 0.03-0.07x everywhere.
+# Blocks of 32 fuse on XLA:GPU since codes4 packs neighbouring codes (before, a 1024 x 1024
+# update's temp was 5.3 MiB at 32 against 1.2 at 64); benchmarks.studies.int4_layouts.
+DEFAULT_BLOCK_SIZE = {"int8": 256, "float8": 256, "int4": 256}
+INT4_MOMENT_BLOCK = 32
 
 
 def codes_per_byte(fmt: str) -> int:
