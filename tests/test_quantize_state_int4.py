@@ -78,10 +78,10 @@ def test_pack_and_unpack_round_trip():
 
 @pytest.mark.parametrize("shape, codes_shape, scales_shape", [
     ((4, 256), (4, 128), (4, 2)),  # along the last axis: the parameter's shape, halved
-    ((3, 5, 7), (1, 64), (1,)),  # 105 elements, odd: flattened and padded to a block
-    ((257,), (3, 64), (3,)),  # one element over two blocks
-    ((129, 3), (4, 64), (4,)),
-    ((3, 12, 10), (3, 64), (3,)),  # 360 elements, an even last axis: coded in its own shape
+    ((3, 5, 7), (3, 5, 4), (1,)),  # 105 elements in one block; the odd last axis padded
+    ((257,), (129,), (3,)),  # one element over two blocks
+    ((129, 3), (129, 2), (4,)),
+    ((3, 12, 10), (3, 12, 5), (3,)),  # blocks across rows, the codes in the leaf's shape
 ])
 def test_packed_codes_describe_the_leaf(shape, codes_shape, scales_shape):
   # Values on the codes' levels (signed and non-negative blocks) decode exactly.
@@ -119,16 +119,22 @@ def test_int4_codes_v_in_blocks_of_256_and_m_in_blocks_of_32_with_bfloat16_scale
 
 
 def test_codes_do_not_depend_on_the_leafs_shape():
-  # A leaf with an even last axis is coded in its own shape and one with an odd last axis
-  # as blocks (codes4 pairs neighbours): the same elements get the same codes and scales.
+  # Blocked across rows, a leaf is coded in its own shape (int4 pads an odd last axis with a
+  # zero code) and a flat one along its axis: the same elements get the same codes.
   x = jax.random.normal(jax.random.key(2), (360,)) * jnp.logspace(-2, 1, 360)
   for fmt in ("int4", "int8"):
-    even, odd = (coded_lib.quantize(x.reshape(s), fmt, 128, 3, jnp.int32(9))
-                 for s in ((3, 12, 10), (72, 5)))
-    np.testing.assert_array_equal(np.asarray(even.codes), np.asarray(odd.codes))
-    np.testing.assert_array_equal(np.asarray(even.scales), np.asarray(odd.scales))
-    np.testing.assert_array_equal(np.asarray(even.dequantize()).ravel(),
-                                  np.asarray(odd.dequantize()).ravel())
+    q = {s: coded_lib.quantize(x.reshape(s), fmt, 128, 3, jnp.int32(9))
+         for s in ((3, 12, 10), (72, 5), (360,))}
+    if fmt == "int4":
+      assert q[(72, 5)].codes.shape == (72, 3) and not np.asarray(q[(72, 5)].codes >> 4)[:, -1].any()
+      codes = {s: codes4.unpack(c.codes)[..., :s[-1]].ravel() for s, c in q.items()}
+    else:
+      codes = {s: c.codes.ravel()[:360] for s, c in q.items()}  # blocks, padded to 384
+    for s in ((3, 12, 10), (72, 5)):
+      np.testing.assert_array_equal(np.asarray(codes[s]), np.asarray(codes[(360,)][:360]))
+      np.testing.assert_array_equal(np.asarray(q[s].scales), np.asarray(q[(360,)].scales))
+      np.testing.assert_array_equal(np.asarray(q[s].dequantize()).ravel(),
+                                    np.asarray(q[(360,)].dequantize()))
 
 
 def test_bfloat16_scales_round_up_so_every_value_codes_within_its_block():
@@ -327,6 +333,7 @@ def test_nnx_optimizer_trains():
   ours, optimizer = losses(jmp.quantize_state(optax.adam(1e-3), "int4", min_size=1024))
   ref, _ = losses(optax.adam(1e-3))
   packed = coded(nnx.as_pure(optimizer.opt_state))
-  # mu in blocks of 32 (l1's along its last axis, l2's flattened), nu in flattened blocks of 256.
-  assert sorted(q.codes.shape for q in packed) == [(4, 128), (16, 128), (32, 16), (32, 64)]
+  # mu in blocks of 32 (l1's along its last axis, l2's across rows), nu in blocks of 256
+  # across rows: int4 codes keep the kernels' shapes, the last axis halved.
+  assert sorted(q.codes.shape for q in packed) == [(32, 64), (32, 64), (128, 4), (128, 4)]
   assert ours[-1] < 0.05 * ours[0] and abs(ours[-1] - ref[-1]) < 0.15 * ref[-1], (ours[-1], ref[-1])

@@ -32,8 +32,9 @@ class QuantizedArray:
     codes: uint8 codes. The leaf's own shape when its last axis is a
       multiple of ``block_size`` (blocks run along it); otherwise
       ``(blocks, block_size)`` over the flattened, zero-padded leaf. For
-      ``"int4"`` two codes share a byte and the last axis is halved: element
-      ``2j`` of a block in the low nibble of the block's byte ``j``, element
+      ``"int4"`` two codes share a byte: the leaf's own shape (a scalar's:
+      one block) with the last axis halved, rounded up (a zero code pads an
+      odd one), element ``2j`` of a row in the low nibble of byte ``j`` and
       ``2j + 1`` in its high nibble.
     scales: one per block (``codes.shape[:-1] + (blocks,)`` or
       ``(blocks,)``), float32 (bfloat16 for ``"int4"``'s momenta, rounded
@@ -86,12 +87,30 @@ jax.tree_util.register_dataclass(QuantizedArray)
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _decoded(codes: jax.Array, scales: jax.Array, shape: tuple[int, ...], dtype: np.dtype,
              fmt: str, block_size: int) -> jax.Array:
+  if _int4_across_rows(shape, fmt, block_size):
+    s = _per_element(scales.astype(jnp.float32), shape, block_size)
+    c = codes4.unpack(codes)[..., :shape[-1]]
+    return (jnp.abs(s) * codes4.levels(c, s < 0)).astype(dtype)
   work = _work_shape(_blocked_shape(shape, block_size))
   packed = work[:-1] + (work[-1] // codes_lib.codes_per_byte(fmt),)
   x = codes_lib.decode(codes.reshape(packed), scales.reshape(work[:-1]), fmt)
   if _along_last(shape, block_size):
     return x.reshape(shape).astype(dtype)
   return x.reshape(-1)[: int(np.prod(shape))].reshape(shape).astype(dtype)
+
+
+def _int4_across_rows(shape: tuple[int, ...], fmt: str, block_size: int) -> bool:
+  """Whether ``"int4"`` codes a leaf in blocks across its rows, so its codes keep its shape.
+
+  A leaf blocked over its flattened elements (its last axis not a multiple
+  of ``block_size``) keeps its shape in ``"int4"``, the last axis halved and
+  rounded up (a zero code pads an odd one), so that the two codes of a byte
+  are neighbours in a row: as blocks, a byte's pair crossed rows where the
+  last axis is odd, and XLA:GPU wrote the new state to float32 before coding
+  it (an LM head's kernel ``(768, 5025)``: 2.1x optax AdamW's update temp,
+  0.30x so).
+  """
+  return fmt == "int4" and bool(shape) and not _along_last(shape, block_size)
 
 
 def _along_last(shape: tuple[int, ...], block_size: int) -> bool:
@@ -165,19 +184,19 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
   buffer before coding it (the 134M Transformer of
   ``benchmarks.optim_state``: 141 MiB of update temp against optax AdamW's
   94; 8 MiB in its own shape). The draws (:func:`dither` hashes the flat
-  index) and so the codes are bitwise the same. ``"int4"`` packs
-  neighbouring elements in a byte, so it does the same where the leaf's
-  last axis is even (its pairs are then the flattened leaf's); with an odd
-  last axis it codes blocks. A leaf blocked along its last axis is coded as
-  blocks (in the leaf's shape, XLA wrote the benchmark LSTM's int8
-  embedding to float32: 2.0x optax's temp, against 0.04x as blocks).
+  index) and so the codes are bitwise the same. ``"int4"`` codes such a
+  leaf in its own shape too and keeps its codes so (:func:`_int4_across_rows`).
+  A leaf blocked along its last axis is coded as blocks (in the leaf's
+  shape, XLA wrote the benchmark LSTM's int8 embedding to float32: 2.0x
+  optax's temp, against 0.04x as blocks).
   """
   shape = tuple(x.shape)
   blocks = _blocked_shape(shape, block_size)
   # The codes keep the leaf's shape (its last axis over the codes a byte) when blocked
   # along it, else the blocks' shape.
   per_byte = codes_lib.codes_per_byte(fmt)
-  stored = (shape[:-1] + (shape[-1] // per_byte,) if _along_last(shape, block_size)
+  stored = (shape[:-1] + (-(-shape[-1] // per_byte),)
+            if _along_last(shape, block_size) or _int4_across_rows(shape, fmt, block_size)
             else blocks[:-1] + (block_size // per_byte,))
   if _zeros_on_one_device(x):  # init's zero moments, eagerly: what encode gives them
     return QuantizedArray(jnp.zeros(stored, jnp.uint8), jnp.zeros(blocks[:-1], scale_dtype),
@@ -197,13 +216,14 @@ def _coded(x: jax.Array, count: jax.Array, scales: jax.Array | None, fmt: str, b
   x_blocks = as_blocks(x, block_size)
   scales = codes_lib.block_scales(x_blocks) if scales is None else scales.reshape(work[:-1])
   scales = codes_lib.stored_scales(scales, scale_dtype)
-  per_byte = codes_lib.codes_per_byte(fmt)
-  if not shape or _along_last(shape, block_size) or shape[-1] % per_byte:
+  if not shape or _along_last(shape, block_size):
     codes, _ = codes_lib.encode(x_blocks, fmt, dither(work, leaf, count), never_zero, scales)
-  else:  # In the leaf's shape, then as blocks: a padding element codes 0, as 0.0 does.
+  else:  # In the leaf's shape: 8-bit then as blocks (a padding element codes 0, as 0.0
+    # does); int4 packed in it, an odd last axis padded with a zero code.
     codes = codes_lib.encode_elements(x, _per_element(scales, shape, block_size), fmt,
                                       dither(shape, leaf, count), never_zero)
-    codes = as_blocks(codes4.pack(codes) if fmt == "int4" else codes, block_size // per_byte)
+    codes = (codes4.pack(jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, shape[-1] % 2)]))
+             if fmt == "int4" else as_blocks(codes, block_size))
   return codes, scales.astype(scale_dtype)
 
 

@@ -163,8 +163,12 @@ def encode(y: jax.Array, signed: jax.Array, u: jax.Array, never_zero: bool = Tru
 
 
 def decode(codes: jax.Array, signed: jax.Array) -> jax.Array:
-  """Blocks in ``[-1, 1]`` (fractions of the block's largest) from :func:`encode`'s codes."""
-  c = unpack(codes)
+  """Blocks in ``[-1, 1]`` (fractions of the block's largest) from :func:`encode`'s packed codes."""
+  return levels(unpack(codes), signed)
+
+
+def levels(c: jax.Array, signed: jax.Array) -> jax.Array:
+  """The values in ``[-1, 1]`` of unpacked codes ``c`` (int32), ``signed`` as :func:`encode`'s."""
   magnitude = _SIGNED.level(c & (_SIGN - 1))
   return jnp.where(signed, jnp.where((c & _SIGN) > 0, -magnitude, magnitude),
                    _NON_NEGATIVE.level(c))
