@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jmp_lite as jmp
+from jmp_lite._src.optim import codes as codes_lib
 from jmp_lite._src.optim import codes4
 from jmp_lite._src.optim import coded as coded_lib
 from conftest import assert_bitwise_equal
@@ -135,6 +136,19 @@ def test_codes_do_not_depend_on_the_leafs_shape():
       np.testing.assert_array_equal(np.asarray(q[s].scales), np.asarray(q[(360,)].scales))
       np.testing.assert_array_equal(np.asarray(q[s].dequantize()).ravel(),
                                     np.asarray(q[(360,)].dequantize()))
+
+
+@pytest.mark.parametrize("shape", [(20, 48), (1000, 10), (3, 12, 10)])
+def test_two_level_block_scales_are_the_padded_blocks_scales(shape):
+  # 960 and 10,000 elements: runs of 32 divide them, blocks of 256 do not (padded); 360 is
+  # not a whole number of runs (one reduction). Signed and non-negative blocks, and a block
+  # whose only negative value is its last element.
+  x = jax.random.uniform(jax.random.key(4), shape, minval=0.1, maxval=2.0)
+  flat = x.reshape(-1).at[255].set(-0.5).at[x.size // 2].set(-3.0)
+  for v in (x, flat.reshape(shape), jnp.abs(flat).reshape(shape)):
+    two_level = coded_lib.scales_of(v, "int4", 256)
+    np.testing.assert_array_equal(np.asarray(two_level), np.asarray(
+        codes_lib.block_scales(coded_lib.as_blocks(v, 256))))
 
 
 def test_bfloat16_scales_round_up_so_every_value_codes_within_its_block():

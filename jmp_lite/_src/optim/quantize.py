@@ -100,7 +100,7 @@ def dequantize_tree(tree: Any) -> Any:
 def _new_scales(old: Any, new: Any) -> list[jax.Array]:
   """The block scales of ``new``'s leaves where ``old`` holds a :class:`QuantizedArray`."""
   flat_old = jax.tree.leaves(old, is_leaf=_is_quantized)
-  return [codes_lib.block_scales(coded.as_blocks(n.astype(o.dtype), o.block_size))
+  return [coded.scales_of(n.astype(o.dtype), o.format, o.block_size)
           for o, n in zip(flat_old, jax.tree.leaves(new)) if _is_quantized(o)]
 
 
