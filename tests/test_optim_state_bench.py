@@ -96,28 +96,22 @@ def test_the_h100_int4_update_writes_its_codes_in_place():
 
 @pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
                     reason=str(gpu_compile.plugin_missing()))
-def test_the_h100_int4_update_of_an_odd_last_axis_keeps_the_leafs_shape():
-  # An LM head over a vocabulary of odd size is blocked over its flattened elements. As
-  # blocks, a byte's two codes crossed rows and XLA:GPU wrote the new mu and nu to float32
-  # first (30 MiB, 2.1x optax AdamW's temp); its codes now keep the leaf's shape, the odd
-  # last axis padded with a zero code, and what is left is a copy of the old codes.
-  params = {"head": jax.ShapeDtypeStruct((768, 5025), jnp.float32)}
+@pytest.mark.parametrize("shape, adamw_at_least, limit", [
+    # An LM head over a vocabulary of odd size, blocked over its flattened elements. As
+    # blocks, a byte's two codes crossed rows and XLA:GPU wrote the new mu and nu to float32
+    # first (30 MiB, 2.1x optax AdamW's temp); its codes now keep the leaf's shape, the odd
+    # last axis padded with a zero code, and what is left is a copy of the old codes.
+    ((768, 5025), 14 * 2**20, 0.35),
+    # mu's blocks of 32 divide it, nu's blocks of 256 are padded. Reduced as padded blocks,
+    # XLA:GPU computed the new nu in mu's block-scale fusion and wrote it to float32 for
+    # nu's (4.2 MiB, 1.1x); nu's scales now come in two levels (coded.scales_of).
+    ((1000, 1000), 3.5 * 2**20, 0.25),
+])
+def test_the_h100_int4_update_of_a_leaf_blocked_across_rows(shape, adamw_at_least, limit):
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   adamw = optim_state.h100_update("adamw", params)["temp_bytes"]
-  assert adamw >= 14 * 2**20
-  assert optim_state.h100_update("int4", params)["temp_bytes"] <= 0.35 * adamw
-
-
-@pytest.mark.skipif(gpu_compile.plugin_missing() is not None,
-                    reason=str(gpu_compile.plugin_missing()))
-def test_the_h100_int4_update_of_a_padded_matrix():
-  # (1000, 1000): mu's blocks of 32 divide it, nu's blocks of 256 are padded. Reduced as
-  # padded blocks, XLA:GPU computed the new nu in mu's block-scale fusion and wrote it to
-  # float32 for nu's (4.2 MiB, 1.1x optax AdamW's temp); nu's scales now come in two levels,
-  # over runs of 32 and then over those (coded.scales_of).
-  params = {"w": jax.ShapeDtypeStruct((1000, 1000), jnp.float32)}
-  adamw = optim_state.h100_update("adamw", params)["temp_bytes"]
-  assert adamw >= 3.5 * 2**20
-  assert optim_state.h100_update("int4", params)["temp_bytes"] <= 0.25 * adamw
+  assert adamw >= adamw_at_least
+  assert optim_state.h100_update("int4", params)["temp_bytes"] <= limit * adamw
 
 
 @pytest.mark.slow

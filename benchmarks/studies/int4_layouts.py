@@ -107,13 +107,12 @@ def coder(layout: str) -> tuple[Callable[..., jax.Array], Callable[..., jax.Arra
       x, 128, i, c, True, jnp.float32)
 
 
-def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int = 0,
-                         min_size: int = MIN_SIZE) -> optax.GradientTransformation:
+def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int = 0
+                         ) -> optax.GradientTransformation:
   """optax AdamW whose new moments are coded and decoded in ``layout`` after each update.
 
   ``draws`` other than 0 shifts the coded leaves' numbers, so their rounding
-  draws another sequence: how much a result owes to the draws. Leaves of
-  fewer than ``min_size`` elements are not coded (``quantize_state``'s).
+  draws another sequence: how much a result owes to the draws.
   """
   inner = optax.adamw(lr, weight_decay=weight_decay)
   code_mu, code_nu = coder(layout)
@@ -122,7 +121,7 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
     updates, state = inner.update(grads, state, params)
     adam = state[0]
     # Coded leaves numbered as quantize_state numbers them (its draws): mu's, then nu's.
-    big = [k for k in sorted(adam.mu) if adam.mu[k].size >= min_size]
+    big = [k for k in sorted(adam.mu) if adam.mu[k].size >= MIN_SIZE]
     count = adam.count - 1  # quantize_state codes update t with draws t (its own step)
     first = 1000 * draws
     mu = {**adam.mu, **{k: code_mu(adam.mu[k], first + i, count) for i, k in enumerate(big)}}
@@ -134,12 +133,11 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
 
 
 def screen(layout: str, problem: problems_lib.Problem, seeds: int, steps: int | None,
-           reference: dict[str, list[float]], draws: int = 0,
-           min_size: int = MIN_SIZE) -> dict[str, Any]:
+           reference: dict[str, list[float]], draws: int = 0) -> dict[str, Any]:
   """``layout`` on ``problem``: its mean drift, over ``AdamW4bit``'s, and its loss over float32's."""
   grads = variants_lib.grad_function(problem)
   loss = jax.jit(problems_lib.make_loss(problem))
-  coded_tx = fake_quantized_adamw(layout, problem.lr, problem.weight_decay, draws, min_size)
+  coded_tx = fake_quantized_adamw(layout, problem.lr, problem.weight_decay, draws)
   trainers = {"optax_adamw": variants_lib.jax_trainer("optax_adamw", problem, grads),
               "jmp_int4": variants_lib.jax_trainer("jmp_int4", problem, grads, tx=coded_tx)}
   drifts, losses = [], []
@@ -166,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
                  help="an optim_oracle JSON with torchao_adamw4bit's drifts (default: %(default)s)")
   p.add_argument("--draws", default="0", help="comma-separated draw sequences (0: quantize_state's; "
                  "others shift the coded leaves' numbers), each a row (default: %(default)s)")
-  p.add_argument("--min-size", type=int, default=MIN_SIZE, help="leaves of fewer elements are not "
-                 "coded (torchao's threshold, quantize_state's default: %(default)s)")
   p.add_argument("--smoke", action="store_true", help="one problem, one seed, 5 steps")
   args = p.parse_args(argv)
   names = list(problems_lib.PROBLEMS) if args.problems == "all" else args.problems.split(",")
@@ -185,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for draws in (int(d) for d in args.draws.split(",")):
       ratios = []
       for name in names:
-        r = screen(layout, problems_lib.PROBLEMS[name], seeds, steps, reference, draws,
-                   args.min_size)
+        r = screen(layout, problems_lib.PROBLEMS[name], seeds, steps, reference, draws)
         ratios.append(r["vs_adamw4bit"])
         ratio = "-" if r["vs_adamw4bit"] is None else f"{r['vs_adamw4bit']:.3f}x"
         print(f"| {layout} | {draws} | {name} | {r['drift']:.2%} | {ratio} | "

@@ -194,8 +194,8 @@ def quantize(x: jax.Array, fmt: str, block_size: int, leaf: int,
 
   The stochastic rounding draws from :func:`dither` of coded leaf number
   ``leaf`` at update ``count``; ``never_zero`` as :class:`QuantizedArray`'s.
-  ``scales`` are the blocks' :func:`jmp_lite._src.optim.codes.block_scales`
-  when the caller has them (from another computation of the same ``x``);
+  ``scales`` are :func:`scales_of` ``x`` when the caller has them (from
+  another computation of the same ``x``);
   they are stored as ``scale_dtype`` (``codes.stored_scales``: bfloat16
   rounded up in magnitude, and the codes made against the rounded scale).
 
@@ -237,11 +237,11 @@ def _coded(x: jax.Array, count: jax.Array, scales: jax.Array | None, fmt: str, b
   """:func:`quantize`'s codes and scales, in the blocks' shape (jitted, as :func:`_decoded`)."""
   shape = tuple(x.shape)
   work = _work_shape(_blocked_shape(shape, block_size))
-  x_blocks = as_blocks(x, block_size)
-  scales = codes_lib.block_scales(x_blocks) if scales is None else scales.reshape(work[:-1])
+  scales = scales_of(x, fmt, block_size) if scales is None else scales.reshape(work[:-1])
   scales = codes_lib.stored_scales(scales, scale_dtype)
   if not shape or _along_last(shape, block_size):
-    codes, _ = codes_lib.encode(x_blocks, fmt, dither(work, leaf, count), never_zero, scales)
+    codes, _ = codes_lib.encode(as_blocks(x, block_size), fmt, dither(work, leaf, count),
+                                never_zero, scales)
   else:  # In the leaf's shape: 8-bit then as blocks (a padding element codes 0, as 0.0
     # does); int4 packed in it, an odd last axis padded with a zero code.
     codes = codes_lib.encode_elements(x, _per_element(scales, shape, block_size), fmt,
