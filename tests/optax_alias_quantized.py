@@ -1,7 +1,7 @@
 """A pytest plugin: optax's own optimizer tests, every optimizer through ``jmp.quantize_state``.
 
 optax ships its optimizer tests with the package (``optax/_src/alias_test.py``).
-This plugin collects that file, unmodified, once per 8-bit format, in place
+This plugin collects that file, unmodified, once per format, in place
 of this file (which holds no tests of its own)::
 
   tests/optax_alias_quantized.py::int8::AliasTest::test_optimization12
@@ -16,11 +16,12 @@ factories return ``jmp.quantize_state(opt, fmt, min_size=0)``. Nothing in
 optax itself is patched, so the two copies and the rest of the suite do not
 see each other's optimizers.
 
-``--optax-alias=unwrapped,int8,float8`` picks the copies (default
-``int8,float8``, in every run of the suite, CI's included; ``none`` leaves
+``--optax-alias=unwrapped,int8,float8,int4`` picks the copies (default
+``int8,float8,int4``, in every run of the suite, CI's included; ``none`` leaves
 them out). Every test optax ships passes through ``quantize_state`` in both
-formats (:data:`KNOWN_FAILURES`, marked xfail, is empty); ``unwrapped`` runs optax's tests
-as optax ships them, to compare the pass counts::
+8-bit formats, and in ``"int4"`` all but two (:data:`KNOWN_FAILURES`, marked
+xfail); ``unwrapped`` runs optax's tests as optax ships them, to compare the
+pass counts::
 
   python -m pytest tests/optax_alias_quantized.py --optax-alias=unwrapped
 
@@ -41,8 +42,8 @@ from typing import Any
 
 import pytest
 
-FORMATS = ("unwrapped", "int8", "float8")
-DEFAULT = "int8,float8"
+FORMATS = ("unwrapped", "int8", "float8", "int4")
+DEFAULT = "int8,float8,int4"
 _THIS = pathlib.Path(__file__).resolve()
 # quantize_state warns when it codes nothing (issue 43). Here it wraps every optimizer,
 # stateless ones (sign_sgd, noisy_sgd, polyak_sgd, ...) too: for them the warning is right,
@@ -56,11 +57,22 @@ OPTAX_OWN = (pytest.mark.filterwarnings("ignore:Explicitly requested dtype float
 
 
 # Wrapped tests that still fail, as xfails (not strict: each of the test's subtests takes
-# the mark, and the others would pass, XPASS), keyed by absl's index into optax's optimizer
-# list. None now: adadelta(0.1) on Rosenbrock (test_optimization6), which ended at
+# the mark, and the others would pass, XPASS), keyed by format and absl's index into optax's
+# optimizer list. None in 8 bits (adadelta(0.1) on Rosenbrock, test_optimization6, ended at
 # [0.93, 0.88] against [1, 1] in both formats with the coarser non-negative code of stop 48,
-# passes since the code has 16 to 32 codes an octave down to 0.8% of a block's largest root.
-KNOWN_FAILURES: dict[str, str] = {}
+# and passes since the code has 16 to 32 codes an octave down to 0.8% of a block's largest
+# root). In 4 bits two (measured at stop 56, 10,000 steps, tolerance 0.06 per coordinate):
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("int4", "AliasTest::test_optimization4"):
+        "adadelta(0.1) on the parabola, one block of 3 elements: it travels slower (the "
+        "coordinate that starts at 10 ends at 0.29 against -1; keeping e_x in float32 "
+        "(keep_state) it ends at -1): 16 levels down to 2**-8 of the block's largest e_x, "
+        "rounded without bias in e_x, read low under its square root",
+    ("int4", "AliasTest::test_optimization62"):
+        "lion(0.01) on Rosenbrock ends at [0.930, 0.881] against [1, 1]: its zigzag along "
+        "the valley is twice as wide with a 4-bit momentum (median distance over the last "
+        "5,000 steps 0.087 against float32's 0.038 and int8's 0.037)",
+}
 
 
 def alias_test_path() -> pathlib.Path:
@@ -167,6 +179,6 @@ def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector) -> An
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   """Marks the wrapped copies of :data:`KNOWN_FAILURES` xfails."""
   for item in items:
-    for known, why in KNOWN_FAILURES.items():
-      if any(item.nodeid.endswith(f"::{fmt}::{known}") for fmt in FORMATS if fmt != "unwrapped"):
-        item.add_marker(pytest.mark.xfail(strict=False, reason=f"issue 43, open: {why}"))
+    for (fmt, known), why in KNOWN_FAILURES.items():
+      if item.nodeid.endswith(f"::{fmt}::{known}"):
+        item.add_marker(pytest.mark.xfail(strict=False, reason=f"{fmt}: {why}"))

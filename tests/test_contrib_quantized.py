@@ -12,7 +12,7 @@ The problem: a linear regression (8 inputs, 16 outputs, noisy targets) trained
 on random batches of 32 of its 256 rows for 300 steps, one ``lax.scan``. From
 a first loss of 2.57, each optimizer in float32 ends between 0.0095 and 0.06
 (the noise floor is 0.01). Wrapped in ``quantize_state`` with every state leaf
-coded (``min_size=0``), in either format, its final full-data loss must be
+coded (``min_size=0``), in each format, its final full-data loss must be
 within ``FACTOR`` of its float32 one, with finite params.
 """
 
@@ -31,7 +31,7 @@ import jmp_lite as jmp
 STEPS = 300
 BATCH = 32
 FACTOR = 1.5  # the coded optimizer's final loss over the float32 one's, at most
-FORMATS = ("int8", "float8")
+FORMATS = ("int8", "float8", "int4")
 
 
 def _adam():
@@ -142,10 +142,19 @@ def _float32_loss(name):
   return float(loss)
 
 
-# Known failures, as strict xfails (a fix must remove the entry). None since stop 50:
-# D-Adaptation, whose step-size estimate reads the coded moments' sums, ended at 0.152
-# against float32's 0.060 with int8's coarser non-negative code, and passes with the finer one.
-OPEN: dict[tuple[str, str], str] = {}
+# Known failures, as strict xfails (a fix must remove the entry). None in 8 bits since stop
+# 50 (D-Adaptation, whose step-size estimate reads the coded moments' sums, ended at 0.152
+# against float32's 0.060 with int8's coarser non-negative code, and passes with the finer
+# one). In 4 bits, two optimizers whose params are a function of a running sum of gradients
+# (a dual average), not of one step: the code's noise, a few percent of a block's largest,
+# moves the params themselves each step (measured at stop 56; int8 ends within 6%).
+OPEN: dict[tuple[str, str], str] = {
+    ("madgrad", "int4"): "ends at 0.059 against float32's 0.0095: its params are x0 - s / "
+                         "cbrt(grad_sum_sq), and s in 4 bits (0.051 with grad_sum_sq kept)",
+    ("cocob", "int4"): "ends at 0.084 against float32's 0.0096: its params are the initial "
+                       "ones plus a function of its sums (cumulative_gradients, reward, "
+                       "scale; 0.025-0.065 with any one of them kept in float32)",
+}
 
 
 @pytest.mark.parametrize("name,fmt", [

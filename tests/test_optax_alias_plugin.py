@@ -14,7 +14,7 @@ def _coded_leaves(state):
   return [leaf for leaf in leaves if isinstance(leaf, jmp.QuantizedArray)]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8"])
+@pytest.mark.parametrize("fmt", ["int8", "float8", "int4"])
 def test_alias_test_copy_builds_quantized_optimizers(fmt):
   module = plugin.load_alias_test(fmt)
   assert module.__name__ == f"optax_alias_test_{fmt}"
