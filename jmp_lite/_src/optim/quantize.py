@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
@@ -38,6 +39,7 @@ from jmp_lite._src.optim import codes as codes_lib
 from jmp_lite._src.optim import coded
 from jmp_lite._src.optim.coded import QuantizedArray
 from jmp_lite._src.optim import passes
+from jmp_lite._src.optim import position
 
 try:  # optax.tree_map_params's stand-in for the params: no public name; degrade to none.
   from optax.tree_utils._state_utils import _ParamsPlaceholder
@@ -176,6 +178,34 @@ def _layout(fmt: str, block_size: int | None, divides: bool) -> tuple[int, Any]:
   return codes_lib.DEFAULT_BLOCK_SIZE[fmt], jnp.float32
 
 
+def _formats(fmt: str, coded: list[bool], flat: list[Any], tx: Any, params: Any) -> list[str]:
+  """Each state leaf's format: ``fmt``, but ``"int8"`` for an ``"int4"`` leaf that sets a position.
+
+  A leaf whose rounding would move the params by a share of the distance
+  they have travelled (madgrad's ``s``, cocob's sums:
+  :func:`position.position_leaves`) is coded in 8 bits, with a
+  ``UserWarning`` that names it.
+  """
+  formats = [fmt] * len(flat)
+  if fmt != "int4" or not any(coded):
+    return formats
+  found = position.position_leaves(tx.init, tx.update, params, len(flat))
+  moved = [i for i, c in enumerate(coded) if c and found is not None and found[i]]
+  if moved:
+    names = ", ".join(tree_utils.path_str(flat[i][0]) for i in moved)
+    warnings.warn(
+        f"quantize_state codes {len(moved)} leaves of this transformation's state in 'int8', "
+        f"not 'int4': {names}. Its update sets the params' position from them (a relative "
+        f"rounding error in one moves the params by {position.POSITION_GAIN:g}x or more of a "
+        "step, measured on the update: dual averaging, parameter-free methods such as madgrad "
+        "and cocob), and in 4 bits such methods ended at 6-9x float32's loss. The other "
+        "leaves are coded in 'int4'. Pass format='int8' to code all of them in 8 bits, or "
+        "keep_state to keep these in full precision.", UserWarning, stacklevel=3)
+    for i in moved:
+      formats[i] = "int8"
+  return formats
+
+
 def _check_block_size(block_size: Any) -> int:
   try:
     n = checks.integer("block_size", block_size, minimum=32, maximum=MAX_BLOCK_SIZE)
@@ -237,7 +267,12 @@ def quantize_state(
       ``params0``: a copy of the parameters) never is; an ``init`` that
       cannot be traced is refused. A ``UserWarning`` says so when nothing is
       coded.
-    format: ``"int8"``, ``"float8"`` or ``"int4"``.
+    format: ``"int8"``, ``"float8"`` or ``"int4"``. With ``"int4"``, a
+      leaf that sets the params' position rather than a step's size (the
+      update's relative change for a relative change of the leaf is 2x or
+      more, measured on small stand-in params: madgrad's ``s``, cocob's
+      sums) is coded in ``"int8"``, with a ``UserWarning`` naming it
+      (:mod:`jmp_lite._src.optim.position`).
     block_size: elements per block of every coded leaf, a power of two from
       32 to 2**16, with float32 scales. By default (``None``) 256 for the
       8-bit formats; ``"int4"`` codes a leaf the update divides by (Adam's
@@ -319,12 +354,13 @@ def quantize_state(
                                 "quantize_state's keep_state", "floating leaf of the inner state",
                                 "nothing in full precision", "floating state leaves")
     coded = classify.plan(state, kinds, params, min_size, rules, state_rules)
+    formats = _formats(fmt, coded, flat, inner_tx, params)
     count = jnp.zeros((), jnp.int32)
-    layouts = [_layout(fmt, block_size, d) for d in divides]
+    layouts = [_layout(f, block_size, d) for f, d in zip(formats, divides)]
     marked = [  # Placeholders, which _requantize codes in its order (scales: their dtype).
-        QuantizedArray(x, jnp.zeros((), dtype), tuple(x.shape), np.dtype(x.dtype), fmt, block,
+        QuantizedArray(x, jnp.zeros((), dtype), tuple(x.shape), np.dtype(x.dtype), f, block,
                        d) if c else x
-        for (_, x), c, d, (block, dtype) in zip(flat, coded, divides, layouts)]
+        for (_, x), c, d, f, (block, dtype) in zip(flat, coded, divides, formats, layouts)]
     inner = _requantize(jax.tree.unflatten(treedef, marked), state, count)
     return QuantizedState(_codes_in_variables(inner), count)
 
