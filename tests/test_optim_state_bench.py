@@ -133,6 +133,7 @@ def test_smoke_run_writes_its_report(tmp_path):
     assert ("cpu_update_s" in r) == (r["model"] != optim_state.BIG)
   assert files[1].read_text() in proc.stdout
   bar_lines = [line for line in proc.stdout.splitlines() if "(limit " in line]
-  # per model: the update temp of int8, float8 and int4 (compiled), persistent of int8 and int4
-  assert len(bar_lines) == len(result["bars"]) == (10 if compiled else 4)
+  # per model: the update temp of int8, float8, int4 and int4_all (compiled), persistent of
+  # int8, int4 and int4_all
+  assert len(bar_lines) == len(result["bars"]) == (14 if compiled else 6)
   assert all(line.startswith(report.SMOKE_STATUS + " ") for line in bar_lines)

@@ -15,7 +15,8 @@ RATIO_MEDIAN_LIMIT = 0.6
 SWEEP_LIMIT = 1.5
 COOLDOWN_RISE_LIMIT = 0.01  # the held-out loss rises at most 1% while the lr falls to 0
 CODED_JMP = ("jmp_int8", "jmp_float8", "jmp_int4")
-FAMILY_NAMES = ("jmp_lion_int8", "jmp_lion_float8", "jmp_sgdm_int8", "jmp_sgdm_float8")
+FAMILY_NAMES = tuple(n for n, v in variants_lib.VARIANTS.items()
+                     if v.side == "jax" and v.family != "adamw" and v.format is not None)
 
 
 def ratio_summary(problems: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -65,11 +65,14 @@ VARIANTS = {
     "jmp_lion_int8": Variant("jax", "lion", "int8", "jmp.quantize_state(optax.lion, 'int8')"),
     "jmp_lion_float8": Variant("jax", "lion", "float8",
                                "jmp.quantize_state(optax.lion, 'float8')"),
+    "jmp_lion_int4": Variant("jax", "lion", "int4", "jmp.quantize_state(optax.lion, 'int4')"),
     "optax_sgdm": Variant("jax", "sgdm", None, "optax.sgd(10 lr, momentum=0.9), float32 state"),
     "jmp_sgdm_int8": Variant("jax", "sgdm", "int8",
                              "jmp.quantize_state(optax.sgd(momentum=0.9), 'int8')"),
     "jmp_sgdm_float8": Variant("jax", "sgdm", "float8",
                                "jmp.quantize_state(optax.sgd(momentum=0.9), 'float8')"),
+    "jmp_sgdm_int4": Variant("jax", "sgdm", "int4",
+                             "jmp.quantize_state(optax.sgd(momentum=0.9), 'int4')"),
 }
 RIVALS = {n: v.rival for n, v in VARIANTS.items() if v.rival is not None}
 
