@@ -30,6 +30,8 @@ from benchmarks import call_overhead
 from benchmarks import bars as bars_lib
 from benchmarks.studies import cpu_profile
 from benchmarks.studies import int4_layouts
+from benchmarks.studies import int4_sweep
+from benchmarks.optim_oracle import sweep as oracle_sweep
 from benchmarks.studies import kahan_limits
 from benchmarks import masters
 from benchmarks import measure
@@ -606,3 +608,37 @@ def test_int4_layouts_smoke_prints_every_layout(capsys):
   assert all(r.split(" | ")[4] == "-" for r in rows)  # a smoke run is not compared with torchao
   with pytest.raises(ValueError, match="layout must be one of"):
     int4_layouts.coder("rank2")
+
+
+# --- benchmarks.studies.int4_sweep (issue 45) ------------------------------------------------------
+
+
+def test_int4_sweep_lib_is_quantize_states_adam():
+  """The study's ``lib`` coding steps as ``quantize_state(optax.adam, "int4")`` on the same gradients."""
+  ratios, rows, steps = np.array([1.0, 0.1]), 4, 12
+  mags = oracle_sweep.magnitudes(ratios, rows)
+  tx = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0)
+  params = jnp.zeros(mags.shape)
+  state, top = tx.init(params), np.zeros(len(ratios))
+  step = jax.jit(tx.update)
+  for t in range(steps):
+    u, state = step(jnp.asarray(oracle_sweep.gradients(mags, 0, t)), state, params)
+    top = np.maximum(top, np.asarray(jnp.abs(u).max(axis=(1, 2))))
+  exact = np.zeros(len(ratios))
+  ref = optax.adam(1e-3)
+  s = ref.init(params)
+  for t in range(steps):
+    u, s = ref.update(jnp.asarray(oracle_sweep.gradients(mags, 0, t)), s)
+    exact = np.maximum(exact, np.asarray(jnp.abs(u).max(axis=(1, 2))))
+  np.testing.assert_allclose(int4_sweep.largest_steps("lib", ratios, rows, steps, 0), top / exact,
+                             rtol=1e-5)
+  # and a coding that differs is not the same numbers
+  assert np.abs(int4_sweep.largest_steps("v_linear", ratios, rows, steps, 0) - top / exact).max() > 1e-3
+
+
+def test_int4_sweep_smoke_prints_each_coding(capsys):
+  assert int4_sweep.main(["--smoke"]) == 0
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+  assert [r.split(" | ")[0][2:] for r in rows] == ["lib", "pre_adapt"]
+  with pytest.raises(SystemExit):
+    int4_sweep.main(["--codings", "rank2"])
