@@ -101,3 +101,17 @@ def test_an_update_that_cannot_be_measured_makes_no_claim():
   n = len(jax.tree.leaves(madgrad.init(PARAMS)))
   assert position.position_leaves(madgrad.init, madgrad.update, PARAMS, n) is not None
   assert position.position_leaves(madgrad.init, madgrad.update, PARAMS, n + 1) is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known limit of position.py: the gain is measured per step, and madgrad's momentum of "
+    "0.99 on its position lowers it under 2 (nothing is moved to int8; its int4 loss is 1.8x "
+    "float32's, int8's 1.00x). A fix must find s here and make this pass."))
+def test_madgrad_with_a_heavy_momentum_converges_in_int4():
+  import test_contrib_quantized as contrib_test  # its regression problem and training loop
+  make = lambda: contrib.madgrad(1e-2, momentum=0.99)
+  reference = float(contrib_test._train(make(), "madgrad")[1])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    tx = jmp.quantize_state(make(), "int4", min_size=0)
+  assert float(contrib_test._train(tx, "madgrad")[1]) <= contrib_test.FACTOR * reference

@@ -16,14 +16,13 @@ params (at most 2 elements an axis, so the cost does not grow with the
 model): after :data:`STEPS` updates on random gradients, the **gain** of
 each state leaf is ``|d update / d leaf . leaf| / |update|``, the update's
 relative change for a relative change of the leaf. Adam's moments have
-gains of 1 and 1/2; a leaf with a gain of at least :data:`POSITION_GAIN`
+gains of 1 and 1/2 (by central differences); a leaf with a gain of at least :data:`POSITION_GAIN`
 sets a position. :func:`jmp_lite.quantize_state` codes such leaves in 8
 bits when asked for 4, and warns.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any, Callable
 
 import jax
@@ -65,6 +64,21 @@ def _gradients(params: Any, key: jax.Array) -> Any:
       else x for k, x in zip(keys, leaves)])
 
 
+_STEP = 1e-2  # the central differences' relative step
+
+
+def _difference(f: Callable[[Any], Any], x: Any, direction: Any) -> Any:
+  """``f``'s derivative at ``x`` along ``direction``, by a central difference.
+
+  Plain arithmetic, no ``jax.jvp``: under ``jax.ensure_compile_time_eval``
+  every operation on the concrete stand-in runs eagerly, even inside a
+  caller's ``jit``.
+  """
+  def at(sign: float) -> Any:
+    return f(jax.tree.map(lambda a, d: a + sign * _STEP * d, x, direction))
+  return jax.tree.map(lambda hi, lo: (hi - lo) / (2 * _STEP), at(1.0), at(-1.0))
+
+
 def pulls(init: Callable[[Any], Any], update: Callable[..., Any], small: Any) -> bool:
   """Whether the update at ``init``'s state pulls the params (median derivative <= -PULL).
 
@@ -74,8 +88,8 @@ def pulls(init: Callable[[Any], Any], update: Callable[..., Any], small: Any) ->
   """
   zeros = jax.tree.map(jnp.zeros_like, small)
   state = init(small)
-  _, gain = jax.jvp(lambda p: update(zeros, state, p)[0], (small,),
-                    (jax.tree.map(jnp.ones_like, small),))
+  gain = _difference(lambda p: update(zeros, state, p)[0], small,
+                     jax.tree.map(jnp.ones_like, small))
   flat = np.concatenate([g.ravel() for g in _floats(gain)] or [np.zeros(0)])
   flat = flat[np.isfinite(flat)]
   return bool(flat.size) and float(np.median(flat)) <= -PULL
@@ -89,8 +103,10 @@ def position_leaves(init: Callable[[Any], Any], update: Callable[..., Any],
   the params (:func:`pulls`); else the gains are measured.
   ``None`` when the update cannot be measured on stand-in params (it needs
   extra arguments or other shapes, or its state has other than
-  ``n_leaves`` leaves). Only the params' shapes and dtypes are read, so
-  it measures the same inside a caller's ``jit``.
+  ``n_leaves`` leaves). Only the params' shapes and dtypes are read, and
+  the measurement runs eagerly under ``jax.ensure_compile_time_eval``
+  (central differences, no ``jax.jvp``), so it measures the same inside a
+  caller's ``jit``.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -105,16 +121,10 @@ def position_leaves(init: Callable[[Any], Any], update: Callable[..., Any],
   """
   shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, params)
-  # In a thread of its own: JAX's tracing state is per thread, so the measurement runs
-  # eagerly on the concrete stand-in even when the caller's init is under jit.
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    return pool.submit(_measure_or_none, init, update, shapes, n_leaves).result()
-
-
-def _measure_or_none(init: Callable[[Any], Any], update: Callable[..., Any], shapes: Any,
-                     n_leaves: int) -> list[bool] | None:
   try:
-    return _measure(init, update, stand_in(shapes), n_leaves)
+    # Eagerly on the concrete stand-in, even when the caller's init is under jit.
+    with jax.ensure_compile_time_eval():
+      return _measure(init, update, stand_in(shapes), n_leaves)
   except Exception:  # pylint: disable=broad-exception-caught  # no measurement, no claim
     return None
 
@@ -142,6 +152,6 @@ def _measure(init: Callable[[Any], Any], update: Callable[..., Any], small: Any,
     def of_leaf(x: jax.Array, i: int = i) -> Any:
       return update(grads, jax.tree.unflatten(treedef, flat[:i] + [x] + flat[i + 1:]), small)[0]
 
-    _, change = jax.jvp(of_leaf, (leaf,), (leaf,))
+    change = _difference(of_leaf, leaf, leaf)
     found.append(bool(size > 0 and _norm(change) >= POSITION_GAIN * size))
   return found
