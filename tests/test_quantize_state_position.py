@@ -35,6 +35,13 @@ STEPPERS = {
 }
 
 
+def _formats(state):
+  """Each coded leaf's format, by its path in the state."""
+  return {jax.tree_util.keystr(k): leaf.format for k, leaf in jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, jmp.QuantizedArray))
+          if isinstance(leaf, jmp.QuantizedArray)}
+
+
 def _found(tx):
   state = tx.init(PARAMS)
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(state)]
@@ -63,10 +70,7 @@ def test_int4_codes_madgrads_sums_in_int8_and_says_so(under_jit):
     state = init(PARAMS)
   said = [str(w.message) for w in caught if "in 'int8', not 'int4'" in str(w.message)]
   assert len(said) == 1 and "1/s/b, 1/s/w" in said[0], said
-  formats = {jax.tree_util.keystr(k): leaf.format for k, leaf in
-             jax.tree_util.tree_leaves_with_path(
-                 state, is_leaf=lambda x: isinstance(x, jmp.QuantizedArray))
-             if isinstance(leaf, jmp.QuantizedArray)}
+  formats = _formats(state)
   assert formats == {".inner[1].grad_sum_sq['b']": "int4", ".inner[1].grad_sum_sq['w']": "int4",
                      ".inner[1].s['b']": "int8", ".inner[1].s['w']": "int8"}, formats
   # The update keeps each leaf's format, and the second call does not retrace.
@@ -81,9 +85,7 @@ def test_int4_codes_madgrads_sums_in_int8_and_says_so(under_jit):
   _, state = step(grads, state, PARAMS)
   _, state = step(grads, state, PARAMS)
   assert len(traces) == 1
-  assert {jax.tree_util.keystr(k): leaf.format for k, leaf in jax.tree_util.tree_leaves_with_path(
-      state, is_leaf=lambda x: isinstance(x, jmp.QuantizedArray))
-          if isinstance(leaf, jmp.QuantizedArray)} == formats
+  assert _formats(state) == formats
 
 
 def test_the_8bit_formats_and_adam_in_int4_are_left_alone():
@@ -91,10 +93,8 @@ def test_the_8bit_formats_and_adam_in_int4_are_left_alone():
     warnings.simplefilter("error")
     adam = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0).init(PARAMS)
     madgrad8 = jmp.quantize_state(contrib.madgrad(1e-2), "int8", min_size=0).init(PARAMS)
-  leaves = lambda s: [x for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, jmp.QuantizedArray))
-                      if isinstance(x, jmp.QuantizedArray)]
-  assert {x.format for x in leaves(adam)} == {"int4"}
-  assert {x.format for x in leaves(madgrad8)} == {"int8"}
+  assert set(_formats(adam).values()) == {"int4"}
+  assert set(_formats(madgrad8).values()) == {"int8"}
 
 
 def test_an_update_that_cannot_be_measured_makes_no_claim():

@@ -52,7 +52,7 @@ def _floats(tree: Any) -> list[np.ndarray]:
 
 
 def _norm(tree: Any) -> float:
-  return float(np.sqrt(sum(np.sum(x ** 2) for x in _floats(tree))))
+  return float(optax.tree.norm(tree))
 
 
 def _gradients(params: Any, key: jax.Array) -> Any:
@@ -79,15 +79,14 @@ def _difference(f: Callable[[Any], Any], x: Any, direction: Any) -> Any:
   return jax.tree.map(lambda hi, lo: (hi - lo) / (2 * _STEP), at(1.0), at(-1.0))
 
 
-def pulls(init: Callable[[Any], Any], update: Callable[..., Any], small: Any) -> bool:
-  """Whether the update at ``init``'s state pulls the params (median derivative <= -PULL).
+def pulls(update: Callable[..., Any], state: Any, small: Any) -> bool:
+  """Whether the update at ``state`` (``init``'s) pulls the params (median derivative <= -PULL).
 
   Adam's update does not depend on the params (AdamW's by ``-lr * wd``);
   an update that is a new position minus the params (or a move towards
   one: madgrad's ``-0.1``) does.
   """
   zeros = jax.tree.map(jnp.zeros_like, small)
-  state = init(small)
   gain = _difference(lambda p: update(zeros, state, p)[0], small,
                      jax.tree.map(jnp.ones_like, small))
   flat = np.concatenate([g.ravel() for g in _floats(gain)] or [np.zeros(0)])
@@ -134,7 +133,7 @@ def _measure(init: Callable[[Any], Any], update: Callable[..., Any], small: Any,
   state = init(small)
   if len(jax.tree.leaves(state)) != n_leaves:
     return None
-  if not pulls(init, update, small):
+  if not pulls(update, state, small):
     return [False] * n_leaves
   key = jax.random.key(0)
   for t in range(STEPS):
