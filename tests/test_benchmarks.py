@@ -30,6 +30,7 @@ from benchmarks import call_overhead
 from benchmarks import bars as bars_lib
 from benchmarks.studies import cpu_profile
 from benchmarks.studies import int4_layouts
+from benchmarks.studies import int4_levels
 from benchmarks.studies import int4_sweep
 from benchmarks.optim_oracle import sweep as oracle_sweep
 from benchmarks.studies import kahan_limits
@@ -642,3 +643,31 @@ def test_int4_sweep_smoke_prints_each_coding(capsys):
   assert [r.split(" | ")[0][2:] for r in rows] == ["lib", "pre_adapt"]
   with pytest.raises(SystemExit):
     int4_sweep.main(["--codings", "rank2"])
+
+
+# --- benchmarks.studies.int4_levels (issue 45) -----------------------------------------------------
+
+
+def test_int4_levels_grid_rounds_onto_its_levels_without_bias():
+  code = int4_levels.grid(1.3)
+  v = jnp.full((4096,), 0.7)
+  coded = np.stack([np.asarray(code(v, jnp.int32(t))) for t in range(64)])
+  levels = 1.3 ** np.round(np.log(coded) / np.log(1.3))
+  np.testing.assert_allclose(coded, levels, rtol=1e-5)  # every value on a level
+  np.testing.assert_allclose(np.unique(coded), [1.3**-2, 1.3**-1], rtol=1e-5)  # its two neighbours
+  assert abs(coded.mean() - 0.7) < 2e-3  # and right on average
+
+
+def test_int4_levels_balance_predicts_independent_draws():
+  """The closed form for the coded ``v``'s stationary spread is what independent draws measure."""
+  for rho in (1.41, 2.0):
+    _, low = int4_levels.run(rho, 0.99, False, 1500, iid=True)
+    assert low == pytest.approx(int4_levels.balanced_low(rho), rel=0.3)
+  # and the spread grows with the spacing
+  assert int4_levels.balanced_low(1.2) < int4_levels.balanced_low(1.41) < int4_levels.balanced_low(2.0)
+
+
+def test_int4_levels_smoke_prints_each_spacing(capsys):
+  assert int4_levels.main(["--smoke"]) == 0
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+  assert [r.split(" | ")[0][2:] for r in rows] == ["1.2", "2"]

@@ -34,6 +34,12 @@ bf16 masters):
   XLA:GPU the column maxima of the new ``nu`` (a reduction over its leading
   axis) are computed from a float32 copy of it.
 - ``rank1_v_m32``: ``rank1_v`` with ``mu`` in blocks of 32 (3.06).
+- ``geo_pre`` / ``geo120_pre``: ``nu`` in blocks of 256 on 15 geometric
+  levels 1.25x (1.2x) apart below the block's largest, every smaller non-zero
+  ``nu`` rounded up to the lowest (``benchmarks.studies.int4_sweep.geometric_v``);
+  ``mu`` coded in blocks of 32 as ``mu / sqrt(nu_coded)`` and decoded by
+  multiplying back (preconditioner space). Not a layout of ``quantize_state``:
+  the sweep's 1.5x bar bought with range (``docs/optimizer_state.md``).
 
 The fake quantisation reproduces ``quantize_state`` (``stop54`` against the
 oracle at b12a3bc: 73.54% drift on gelu_deep_fast, as the oracle;
@@ -55,10 +61,12 @@ import optax
 from benchmarks.optim_oracle import drift as drift_lib
 from benchmarks.optim_oracle import problems as problems_lib
 from benchmarks.optim_oracle import variants as variants_lib
+from benchmarks.studies import int4_sweep
 from jmp_lite._src.optim import coded
 from jmp_lite._src.optim import codes4
 
-# name -> (mu's block, its scales' dtype, nu's block or "rank1", its scales' dtype)
+# name -> (mu's block, its scales' dtype, nu's block, "rank1" or a geometric spacing (float: mu
+# coded through nu), its scales' dtype)
 LAYOUTS: dict[str, tuple[Any, ...]] = {
     "stop53": (128, jnp.float32, 128, jnp.float32),
     "stop54": (64, jnp.bfloat16, 128, jnp.float32),
@@ -67,6 +75,8 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
     "m32_v128bf16": (32, jnp.bfloat16, 128, jnp.bfloat16),
     "rank1_v": (64, jnp.bfloat16, "rank1", jnp.float32),
     "rank1_v_m32": (32, jnp.bfloat16, "rank1", jnp.float32),
+    "geo_pre": (32, jnp.bfloat16, 1.25, jnp.float32),
+    "geo120_pre": (32, jnp.bfloat16, 1.2, jnp.float32),
 }
 REFERENCE = pathlib.Path("benchmarks/results/optim-oracle-int4-cpu-x86_64-2026-11-29.json")
 MIN_SIZE = 4096  # the oracle's coded leaves (torchao's threshold)
@@ -101,6 +111,8 @@ def coder(layout: str) -> tuple[Callable[..., jax.Array], Callable[..., jax.Arra
     raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
   mu_block, mu_scales, nu_block, nu_scales = LAYOUTS[layout]
   code_mu = lambda x, i, c: _blocks(x, mu_block, i, c, False, mu_scales)
+  if isinstance(nu_block, float):
+    return code_mu, lambda x, i, c: int4_sweep.geometric_v(x, c, nu_block, 256, i)
   if nu_block != "rank1":
     return code_mu, lambda x, i, c: _blocks(x, nu_block, i, c, True, nu_scales)
   return code_mu, lambda x, i, c: rank1(x, i, c) if x.ndim >= 2 else _blocks(
@@ -116,6 +128,7 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
   """
   inner = optax.adamw(lr, weight_decay=weight_decay)
   code_mu, code_nu = coder(layout)
+  through_nu = isinstance(LAYOUTS[layout][2], float)
 
   def update(grads: Any, state: Any, params: Any = None) -> Any:
     updates, state = inner.update(grads, state, params)
@@ -124,9 +137,12 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
     big = [k for k in sorted(adam.mu) if adam.mu[k].size >= MIN_SIZE]
     count = adam.count - 1  # quantize_state codes update t with draws t (its own step)
     first = 1000 * draws
-    mu = {**adam.mu, **{k: code_mu(adam.mu[k], first + i, count) for i, k in enumerate(big)}}
     nu = {**adam.nu, **{k: code_nu(adam.nu[k], first + len(big) + i, count)
                         for i, k in enumerate(big)}}
+    # In preconditioner space (a geometric nu): mu / sqrt(nu_coded), multiplied back.
+    root = {k: jnp.sqrt(nu[k]) if through_nu else jnp.ones(()) for k in big}
+    mu = {**adam.mu, **{k: code_mu(adam.mu[k] / jnp.where(root[k] > 0, root[k], 1.0),
+                                   first + i, count) * root[k] for i, k in enumerate(big)}}
     return updates, (adam._replace(mu=mu, nu=nu),) + tuple(state[1:])
 
   return optax.GradientTransformation(inner.init, update)

@@ -29,6 +29,11 @@ Codings (``m``'s, then ``v``'s):
 - ``v_linear``: ``v`` on 15 linear levels ``k / 15`` of its block's largest
   with the floor ``1/15`` (torchao ``AdamW4bit``'s map, rounded without
   bias here), ``m`` exact: what a fine top costs in range.
+- ``geo`` / ``geo_pre``: ``v`` on 15 geometric levels ``1.25**-k`` of its
+  block's largest (256), every smaller non-zero ``v`` rounded up to
+  ``1.25**-15`` (0.035); ``m`` as ``lib`` / as ``pre``. Fine steps everywhere,
+  bought with range (``benchmarks.studies.int4_levels``). ``geo120_pre``:
+  levels ``1.2**-k`` (floor 0.065).
 
 Not a layout of ``quantize_state``; a screen for the next one.
 """
@@ -45,7 +50,9 @@ import numpy as np
 from benchmarks.optim_oracle import sweep as sweep_lib
 from jmp_lite._src.optim import coded
 
-CODINGS = ("lib", "m_only", "v_only", "pre", "adapt", "pre_adapt", "v_linear")
+CODINGS = ("lib", "m_only", "v_only", "pre", "adapt", "pre_adapt", "v_linear", "geo", "geo_pre",
+           "geo120_pre")
+PRE = ("pre", "pre_adapt", "geo_pre", "geo120_pre")  # m coded as m / sqrt(v_coded)
 RATIOS = "1,0.562,0.316,0.178,0.1,0.0316,0.01,0.001,1e-4,1e-6,1e-8"
 _B1, _B2, _EPS, _LR = 0.9, 0.999, 1e-8, 1e-3
 _RANGE = 2.0**8  # adapt: the widest block coded on its own geometric levels
@@ -92,6 +99,28 @@ def linear_v(x: jax.Array, count: jax.Array) -> jax.Array:
   return (jnp.where(blocks > 0, jnp.maximum(q, 1.0), 0.0) / 15 * top).reshape(x.shape)
 
 
+def geometric_v(x: jax.Array, count: jax.Array, rho: float = 1.25, block: int = 256,
+                leaf: int = 1) -> jax.Array:
+  """``v`` in blocks on 15 levels ``rho**-k`` of the block's largest, never under ``rho**-15`` if not 0.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.zeros(256).at[:3].set(jnp.array([1.0, 0.8, 1e-6]))
+    >>> geometric_v(x, jnp.int32(0))[:4].tolist()  # on its levels; the tiny one at the floor
+    [1.0, 0.800000011920929, 0.03518437221646309, 0.0]
+  """
+  flat = x.reshape(-1)
+  blocks = jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block)
+  top = blocks.max(-1, keepdims=True)
+  y = blocks / jnp.where(top > 0, top, 1.0)
+  k = jnp.clip(jnp.floor(-jnp.log(jnp.maximum(y, 1e-30)) / np.log(rho)), 0, 14)
+  u = (coded.dither(blocks.shape, leaf, count) >> 8).astype(jnp.float32) * _U24
+  hi, lo = jnp.float32(rho) ** -k, jnp.float32(rho) ** -(k + 1)
+  q = jnp.where(u < (y - lo) / (hi - lo), hi, lo)
+  q = jnp.where(y > 0, jnp.maximum(q, jnp.float32(rho) ** -15), 0.0) * top
+  return q.reshape(-1)[:flat.size].reshape(x.shape)
+
+
 def _exact(x: jax.Array, count: jax.Array) -> jax.Array:
   del count
   return x
@@ -101,13 +130,14 @@ def coder(name: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Ar
   """``(m, v, count) -> (m, v)`` as the coding ``name`` stores them."""
   Code = Callable[[jax.Array, jax.Array], jax.Array]
   codes_v: dict[str, Code] = {"adapt": adapt_v, "pre_adapt": adapt_v, "v_linear": linear_v,
-                              "m_only": _exact}
+                              "m_only": _exact, "geo": geometric_v, "geo_pre": geometric_v,
+                              "geo120_pre": lambda x, c: geometric_v(x, c, 1.2)}
   codes_m: dict[str, Code] = {"v_only": _exact, "v_linear": _exact}
   code_v, code_m = codes_v.get(name, _lib_v), codes_m.get(name, _lib_m)
 
   def code(m: jax.Array, v: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
     v = code_v(v, count)
-    if name.startswith("pre"):
+    if name in PRE:
       root = jnp.sqrt(v)
       return _lib_m(m / jnp.where(root > 0, root, 1.0), count) * root, v
     return code_m(m, count), v
