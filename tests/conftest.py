@@ -8,6 +8,7 @@ modules train, and plain-Python reference models of the two loss-scale schedules
 written from the reference semantics, never from jmp_lite's own rule.
 """
 
+import functools
 import math
 
 import jax
@@ -15,6 +16,28 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+
+class Traces:
+  """Counts the traces of the functions it wraps: ``f = traces(f)``, then ``traces.count``.
+
+  Tests that a jitted step compiles once count its traces rather than read
+  ``_cache_size()``. jax's C++ jit cache holds at most 8,192 functions, and a
+  function pins its entry until Python frees it (for one in a reference
+  cycle, at the next cyclic garbage collection), so late in a long test
+  process a new jitted function may get no entry at all: ``_cache_size()``
+  then reads 0 although nothing retraced, and the calls take jax's Python path.
+  """
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self, fn):
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+      self.count += 1
+      return fn(*args, **kwargs)
+    return counted
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

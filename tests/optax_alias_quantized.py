@@ -17,10 +17,8 @@ optax itself is patched, so the two copies and the rest of the suite do not
 see each other's optimizers.
 
 ``--optax-alias=unwrapped,int8,float8,int4`` picks the copies (default
-``int8,float8``, in every run of the suite, CI's included; ``none`` leaves
-them out; ``int4`` runs on request: in the default run its 630 more tests made
-later tests in the same worker lose their jit cache entries, ``_cache_size()``
-0 in 2-18 tests that check one compilation, stop 56, cause not found). Every test optax ships passes through ``quantize_state`` in both
+``int8,float8,int4``, in every run of the suite, CI's included; ``none``
+leaves them out). Every test optax ships passes through ``quantize_state`` in both
 8-bit formats, and in ``"int4"`` all but two (:data:`KNOWN_FAILURES`, marked
 xfail); ``unwrapped`` runs optax's tests as optax ships them, to compare the
 pass counts::
@@ -45,7 +43,7 @@ from typing import Any
 import pytest
 
 FORMATS = ("unwrapped", "int8", "float8", "int4")
-DEFAULT = "int8,float8"
+DEFAULT = "int8,float8,int4"
 _THIS = pathlib.Path(__file__).resolve()
 # quantize_state warns when it codes nothing (issue 43). Here it wraps every optimizer,
 # stateless ones (sign_sgd, noisy_sgd, polyak_sgd, ...) too: for them the warning is right,

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import Traces
 import jmp_lite as jmp
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
@@ -106,14 +107,15 @@ def test_a_neural_ode_trains_under_autocast_with_its_solver_in_float32(mode):
                      batch_keep_full=keep)  # Crashed before.
 
   state = jmp.TrainState.create(params=field, tx=make_tx())
-  step = jmp.make_train_step(_ode_loss, policy, autocast=True, batch_keep_full=keep)
+  traces = Traces()
+  step = jmp.make_train_step(traces(_ode_loss), policy, autocast=True, batch_keep_full=keep)
   losses = []
   for _ in range(6):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
     assert bool(metrics["grads_finite"])
   assert losses[-1] < 0.8 * losses[0], losses
-  assert step._cache_size() == 1
+  assert traces.count == 1
 
 
 # --- Equinox's default BatchNorm ----------------------------------------------------------
@@ -155,7 +157,8 @@ def test_equinox_default_batchnorm_trains_under_autocast(mode):
   jmp.precision_lint(_bn_loss, model, batch, policy=policy, autocast=True,
                      model_state=model_state)  # Crashed before.
   state = jmp.TrainState.create(params=model, tx=make_tx(), model_state=model_state)
-  step = jmp.make_train_step(_bn_loss, policy, autocast=True)
+  traces = Traces()
+  step = jmp.make_train_step(traces(_bn_loss), policy, autocast=True)
   state, first = step(state, batch)
   for _ in range(30):
     state, metrics = step(state, batch)
@@ -164,7 +167,7 @@ def test_equinox_default_batchnorm_trains_under_autocast(mode):
   assert stats and all(a.dtype == F32 for a in stats)  # The running statistics stay float32.
   before = [a for a in jax.tree.leaves(model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
   assert any(not np.array_equal(a, b) for a, b in zip(stats, before))  # and are updated.
-  assert step._cache_size() == 1
+  assert traces.count == 1
 
 
 # --- GANs: sigmoid BCE (softplus's custom_jvp) and float32 noise drawn in the loss -------
@@ -243,7 +246,8 @@ def test_a_gan_with_float32_noise_and_sigmoid_bce_trains_under_autocast(mode):
   want = float(_gan_loss(model, state0, batch)[0])
   fp8 = jmp.Float8Recipe(min_size=0) if mode == "fp8" else None
   state = jmp.TrainState.create(params=model, tx=make_tx(), model_state=state0)
-  step = jmp.make_train_step(_gan_loss, policy, autocast=True, fp8=fp8)  # Crashed before.
+  traces = Traces()
+  step = jmp.make_train_step(traces(_gan_loss), policy, autocast=True, fp8=fp8)  # Crashed before.
   first = None
   for i in range(3):
     state, metrics = step(state, {**batch, "key": jax.random.key(2 + i)})
@@ -252,7 +256,7 @@ def test_a_gan_with_float32_noise_and_sigmoid_bce_trains_under_autocast(mode):
   assert abs(first - want) <= (0.1 if mode == "fp8" else 0.02) * want, (mode, first, want)
   stats = [a for a in jax.tree.leaves(state.model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
   assert stats and all(a.dtype == F32 for a in stats)
-  assert step._cache_size() == 1
+  assert traces.count == 1
 
 
 @pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])

@@ -16,6 +16,7 @@ import pytest
 
 import jmp_lite as jmp
 from jmp_lite._src import masters
+from conftest import Traces
 from conftest import assert_bitwise_equal
 from conftest import classifier_batch
 from conftest import classifier_loss
@@ -251,7 +252,8 @@ def test_step_computes_in_float32_and_writes_back_bf16(lean):
   assert seen["init"] == {np.dtype(jnp.float32)}
   adam = state.opt_state.inner_state[1][0]
   assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype(jnp.float32)}
-  step = jmp.make_train_step(loss_fn, jmp.get_policy("mixed_bfloat16"))
+  traces = Traces()
+  step = jmp.make_train_step(traces(loss_fn), jmp.get_policy("mixed_bfloat16"))
   before = dtypes(state)
   losses = []
   for _ in range(25):
@@ -260,7 +262,7 @@ def test_step_computes_in_float32_and_writes_back_bf16(lean):
   assert seen["update"] == ({np.dtype(jnp.float32)}, {np.dtype(jnp.float32)})
   assert seen["loss_fn"] == {np.dtype(BF16)}
   assert dtypes(state) == before  # dtypes, shapes and weak types are stable
-  assert step._cache_size() == 1  # one compilation
+  assert traces.count == 1  # one compilation
   assert int(state.params["count"]) == 4 and state.params["count"].dtype == jnp.int32
   assert losses[-1] < 0.7 * losses[0]
 
@@ -329,7 +331,8 @@ def test_skipped_step_is_exact(lean):
   inner = optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule))
   tx = jmp.dynamic_loss_scaling(inner, init_scale=2.0**10, growth_interval=100)
   state = jmp.TrainState.create(params=make_params(), tx=tx, **lean)
-  step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
+  traces = Traces()
+  step = jmp.make_train_step(traces(classifier_loss), jmp.get_policy("mixed_bfloat16"))
   batch = classifier_batch()
   for _ in range(3):
     state, metrics = step(state, batch)
@@ -357,7 +360,7 @@ def test_skipped_step_is_exact(lean):
   state, metrics = step(state, batch)
   assert bool(metrics["grads_finite"])
   assert not np.array_equal(bits(state.params["w1"]), bits(before.params["w1"]))
-  assert step._cache_size() == 1
+  assert traces.count == 1
 
 
 def test_stochastic_state_rounds_each_step_with_fresh_bits():
@@ -405,11 +408,12 @@ def test_x64_float64_params_become_bf16_masters_and_compute_in_float32():
     assert {state.params[k].dtype for k in ("w1", "b1", "w2")} == {np.dtype(BF16)}
     adam = state.opt_state[0]
     assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {np.dtype(jnp.float32)}
-    step = jmp.make_train_step(classifier_loss, jmp.get_policy("mixed_bfloat16"))
+    traces = Traces()
+    step = jmp.make_train_step(traces(classifier_loss), jmp.get_policy("mixed_bfloat16"))
     before = dtypes(state)
     for _ in range(5):
       state, metrics = step(state, classifier_batch())
-    assert dtypes(state) == before and step._cache_size() == 1
+    assert dtypes(state) == before and traces.count == 1
     assert bool(metrics["grads_finite"])
 
 

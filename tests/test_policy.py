@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from flax.core import FrozenDict
 
+from conftest import Traces
 import jmp_lite
 
 F16, BF16, F32, F64 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
@@ -41,10 +42,11 @@ def test_policy_is_frozen_and_a_static_jit_argument():
   p = jmp_lite.get_policy("p=f32,c=bf16,o=f32")
   with pytest.raises(dataclasses.FrozenInstanceError):
     p.compute_dtype = F16  # type: ignore[misc]
-  f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+  traces = Traces()
+  f = jax.jit(traces(lambda x, policy: policy.cast_to_compute(x)), static_argnums=1)
   assert f(jnp.ones(2), p).dtype == BF16
   assert f(jnp.ones(2), jmp_lite.get_policy("p=f32,c=bf16,o=f32")).dtype == BF16
-  assert f._cache_size() == 1  # Equal policies hit the same cache entry.
+  assert traces.count == 1  # Equal policies hit the same cache entry.
 
 
 def test_with_methods():

@@ -27,6 +27,7 @@ import optax
 import pytest
 
 import jmp_lite as jmp
+from conftest import Traces
 from conftest import regression_loss
 from conftest import regression_params
 
@@ -142,14 +143,15 @@ def test_x64_float64_masters_and_float32_scale():
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(np.float64)}
     assert jmp.loss_scale_of(state.opt_state).dtype == jnp.float32
     assert state.opt_state.growth_count.dtype == jnp.int32
-    step = jmp.make_train_step(regression_loss, jmp.get_policy("mixed_float16"), donate=False)
+    traces = Traces()
+    step = jmp.make_train_step(traces(regression_loss), jmp.get_policy("mixed_float16"), donate=False)
     batch = jax.tree.map(lambda x: np.asarray(x, np.float64), make_batch())
     losses = []
     for _ in range(20):
       state, metrics = step(state, batch)
       losses.append(float(metrics["loss"]))
       assert bool(metrics["grads_finite"])
-    assert step._cache_size() == 1  # stable dtypes: one trace
+    assert traces.count == 1  # stable dtypes: one trace
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(np.float64)}
     assert metrics["loss"].dtype == jnp.float32
     assert jmp.loss_scale_of(state.opt_state).dtype == jnp.float32

@@ -17,6 +17,7 @@ from jmp_lite._src.optim import codes as codes_lib
 from jmp_lite._src.optim import codes4
 from jmp_lite._src.optim import coded as coded_lib
 from jmp_lite._src.optim import passes
+from conftest import Traces
 from conftest import assert_bitwise_equal
 
 FORMATS = ["int8", "float8"]
@@ -98,7 +99,8 @@ def test_inner_state_is_coded_and_updates_track_float32(inner, fmt):
     # w1 (32, 128): blocks along the last axis; w2 (128, 8): over the flattened leaf.
     assert (q.codes.shape, q.scales.shape) == {(32, 128): ((32, 128), (32, 4)),
                                                (128, 8): ((32, 32), (32,))}[q.shape]
-  update, ref_update = jax.jit(tx.update), jax.jit(ref_tx.update)
+  traces = Traces()
+  update, ref_update = jax.jit(traces(tx.update)), jax.jit(ref_tx.update)
   for t in range(5):
     grads = jax.grad(mlp_loss)(params, mlp_batch(t))
     u, state = update(grads, state, params)
@@ -114,7 +116,7 @@ def test_inner_state_is_coded_and_updates_track_float32(inner, fmt):
         # code 1: a smaller step than float32's (1 element of 4096 here), never larger.
         assert not bool(jnp.any(jnp.abs(u[k]) > jnp.abs(r[k]) + tol * scale)), (k, t)
         assert float(jnp.mean(off)) <= 1e-3, (k, t)
-  assert update._cache_size() == 1
+  assert traces.count == 1
   assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
   # The sign of each block's scale is its mode: a block with a negative value
   # is coded signed (its scale negated); Adam's second moments never are.
@@ -197,14 +199,15 @@ def test_lean_masters_and_int8_state_train_with_one_compilation():
   tx = jmp.dynamic_loss_scaling(jmp.quantize_state(optax.adamw(3e-3), min_size=1024))
   state = jmp.TrainState.create(params=mlp_params(), tx=tx, master_dtype=jnp.bfloat16,
                                 rounding="stochastic", key=jax.random.key(0))
-  step = jmp.make_train_step(mlp_loss, POLICY)
+  traces = Traces()
+  step = jmp.make_train_step(traces(mlp_loss), POLICY)
   types = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "weak_type", False)), s)
   before = types(state)
   losses = []
   for t in range(40):
     state, metrics = step(state, mlp_batch(t))
     losses.append(float(metrics["loss"]))
-  assert types(state) == before and step._cache_size() == 1
+  assert types(state) == before and traces.count == 1
   assert {x.codes.dtype for x in quantized_leaves(state.opt_state)} == {np.dtype(jnp.uint8)}
   assert state.params["w1"].dtype == jnp.bfloat16
   assert losses[-1] < 0.7 * losses[0]
@@ -296,7 +299,8 @@ def test_a_skipped_step_leaves_codes_and_scales_bitwise_unchanged():
 def test_multisteps_accumulates_and_applies_every_k_steps():
   tx = optax.MultiSteps(jmp.quantize_state(optax.adam(1e-2), min_size=0, block_size=32), 2)
   state = jmp.TrainState.create(params=mlp_params(), tx=tx)
-  step = jmp.make_train_step(mlp_loss, POLICY)
+  traces = Traces()
+  step = jmp.make_train_step(traces(mlp_loss), POLICY)
   seen = [jax.device_get(state.params["w1"])]
   for t in range(4):
     state, _ = step(state, mlp_batch(t))
@@ -304,7 +308,7 @@ def test_multisteps_accumulates_and_applies_every_k_steps():
   changed = [not np.array_equal(a, b) for a, b in zip(seen, seen[1:])]
   assert changed == [False, True, False, True]
   assert len(quantized_leaves(state.opt_state.inner_opt_state)) == 6
-  assert step._cache_size() == 1
+  assert traces.count == 1
 
 
 class _Linen(nn.Module):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from conftest import Traces
 import jmp_lite as jmp
 
 
@@ -60,8 +61,9 @@ def test_a_gan_trains_in_float16_with_two_loss_scales_moving_independently():
       params=disc, tx=jmp.dynamic_loss_scaling(optax.adam(2e-3), **scaling), model_state=disc_bn)
   g_train = jmp.TrainState.create(
       params=gen, tx=jmp.dynamic_loss_scaling(optax.adam(2e-3), **scaling))
-  d_step = jmp.make_train_step(d_loss, policy)
-  g_step = jmp.make_train_step(g_loss, policy, has_aux=True, batch_keep_full=(r"^d_bn",))
+  d_traces, g_traces = Traces(), Traces()
+  d_step = jmp.make_train_step(d_traces(d_loss), policy)
+  g_step = jmp.make_train_step(g_traces(g_loss), policy, has_aux=True, batch_keep_full=(r"^d_bn",))
 
   history = []
   for i in range(20):
@@ -90,6 +92,6 @@ def test_a_gan_trains_in_float16_with_two_loss_scales_moving_independently():
   assert d_ok.sum() > 10 and g_ok.sum() > 10  # Most steps apply.
   assert np.isfinite(d_loss_).all() and np.isfinite(g_loss_).all()
   assert d_loss_[-5:].mean() < d_loss_[:5].mean()  # D learns to tell real from fake.
-  assert d_step._cache_size() == 1 and g_step._cache_size() == 1
+  assert d_traces.count == 1 and g_traces.count == 1  # each step compiled once
   assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(
       eqx.filter((d_train.params, g_train.params), eqx.is_array)))
