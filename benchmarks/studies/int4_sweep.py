@@ -34,6 +34,8 @@ Codings (``m``'s, then ``v``'s):
   ``1.25**-15`` (0.035); ``m`` as ``lib`` / as ``pre``. Fine steps everywhere,
   bought with range (``benchmarks.studies.int4_levels``). ``geo120_pre``:
   levels ``1.2**-k`` (floor 0.065).
+- ``v_nearest``: ``v`` on ``lib``'s levels and blocks, rounded to the nearest
+  level (biased, with fixed points: what issue 43 forbade), ``m`` as ``lib``.
 
 Not a layout of ``quantize_state``; a screen for the next one.
 """
@@ -49,9 +51,10 @@ import numpy as np
 
 from benchmarks.optim_oracle import sweep as sweep_lib
 from jmp_lite._src.optim import coded
+from jmp_lite._src.optim import codes4
 
 CODINGS = ("lib", "m_only", "v_only", "pre", "adapt", "pre_adapt", "v_linear", "geo", "geo_pre",
-           "geo120_pre")
+           "geo120_pre", "v_nearest")
 PRE = ("pre", "pre_adapt", "geo_pre", "geo120_pre")  # m coded as m / sqrt(v_coded)
 RATIOS = "1,0.562,0.316,0.178,0.1,0.0316,0.01,0.001,1e-4,1e-6,1e-8"
 _B1, _B2, _EPS, _LR = 0.9, 0.999, 1e-8, 1e-3
@@ -121,6 +124,24 @@ def geometric_v(x: jax.Array, count: jax.Array, rho: float = 1.25, block: int = 
   return q.reshape(-1)[:flat.size].reshape(x.shape)
 
 
+def nearest_v(x: jax.Array, count: jax.Array, leaf: int = 1) -> jax.Array:
+  """``v`` in blocks of 256 on the int4 code's levels, rounded to the nearest (no draws).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.zeros(256).at[:3].set(jnp.array([1.0, 0.7, 0.6]))
+    >>> nearest_v(x, jnp.int32(0))[:4].tolist()  # levels 1/2, 3/4, 1
+    [1.0, 0.75, 0.5, 0.0]
+  """
+  del count, leaf
+  flat = x.reshape(-1)
+  blocks = jnp.pad(flat, (0, -flat.size % 256)).reshape(-1, 256)
+  top = blocks.max(-1, keepdims=True)
+  y = blocks / jnp.where(top > 0, top, 1.0)
+  q = codes4.encode(y, jnp.array(False), jnp.full(y.shape, 0.5), True)
+  return (codes4.levels(q, jnp.array(False)) * top).reshape(-1)[:flat.size].reshape(x.shape)
+
+
 def _exact(x: jax.Array, count: jax.Array) -> jax.Array:
   del count
   return x
@@ -131,7 +152,8 @@ def coder(name: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Ar
   Code = Callable[[jax.Array, jax.Array], jax.Array]
   codes_v: dict[str, Code] = {"adapt": adapt_v, "pre_adapt": adapt_v, "v_linear": linear_v,
                               "m_only": _exact, "geo": geometric_v, "geo_pre": geometric_v,
-                              "geo120_pre": lambda x, c: geometric_v(x, c, 1.2)}
+                              "geo120_pre": lambda x, c: geometric_v(x, c, 1.2),
+                              "v_nearest": nearest_v}
   codes_m: dict[str, Code] = {"v_only": _exact, "v_linear": _exact}
   code_v, code_m = codes_v.get(name, _lib_v), codes_m.get(name, _lib_m)
 
