@@ -15,6 +15,7 @@ import optax
 from optax import contrib
 import pytest
 
+from conftest import Traces
 import jmp_lite as jmp
 from jmp_lite._src.optim import position
 
@@ -74,17 +75,12 @@ def test_int4_codes_madgrads_sums_in_int8_and_says_so(under_jit):
   assert formats == {".inner[1].grad_sum_sq['b']": "int4", ".inner[1].grad_sum_sq['w']": "int4",
                      ".inner[1].s['b']": "int8", ".inner[1].s['w']": "int8"}, formats
   # The update keeps each leaf's format, and the second call does not retrace.
-  traces = []
-
-  def update(grads, state, params):
-    traces.append(None)
-    return tx.update(grads, state, params)
-
-  step = jax.jit(update)
+  traces = Traces()
+  step = jax.jit(traces(tx.update))
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   _, state = step(grads, state, PARAMS)
   _, state = step(grads, state, PARAMS)
-  assert len(traces) == 1
+  assert traces.count == 1
   assert _formats(state) == formats
 
 

@@ -139,10 +139,10 @@ def fake_quantized_adamw(layout: str, lr: float, weight_decay: float, draws: int
     first = 1000 * draws
     nu = {**adam.nu, **{k: code_nu(adam.nu[k], first + len(big) + i, count)
                         for i, k in enumerate(big)}}
-    # In preconditioner space (a geometric nu): mu / sqrt(nu_coded), multiplied back.
-    root = {k: jnp.sqrt(nu[k]) if through_nu else jnp.ones(()) for k in big}
-    mu = {**adam.mu, **{k: code_mu(adam.mu[k] / jnp.where(root[k] > 0, root[k], 1.0),
-                                   first + i, count) * root[k] for i, k in enumerate(big)}}
+    # A geometric nu: mu in preconditioner space, mu / sqrt(nu_coded) coded, multiplied back.
+    mu = {**adam.mu, **{k: int4_sweep.through_v(lambda x, i=i: code_mu(x, first + i, count),
+                                                adam.mu[k], nu[k]) if through_nu
+                        else code_mu(adam.mu[k], first + i, count) for i, k in enumerate(big)}}
     return updates, (adam._replace(mu=mu, nu=nu),) + tuple(state[1:])
 
   return optax.GradientTransformation(inner.init, update)

@@ -4,10 +4,11 @@
     python -m benchmarks.studies.int4_levels --rhos 1.2 --b2s 0.999 --steps 500
     python -m benchmarks.studies.int4_levels --smoke          # two spacings, 50 steps
 
-Adam (lr 1e-3, ``b1`` 0.9) on the sweep's ratio-1 row (``benchmarks.optim_oracle.sweep``:
-4 blocks of 256 gradients of 1 times uniform noise in [0.5, 1.5]), with
-``v`` coded after each update on an unbounded grid of levels ``rho**k``,
-rounded without bias with :func:`jmp_lite._src.optim.coded.dither`'s draws,
+Adam (``int4_sweep.adam``: lr 1e-3, ``b1`` 0.9) on the sweep's ratio-1 row
+(``benchmarks.optim_oracle.sweep``: 4 blocks of 256 gradients of 1 times
+uniform noise in [0.5, 1.5]), with ``v`` coded after each update on an
+unbounded grid of levels ``rho**k``, rounded without bias with
+:func:`jmp_lite._src.optim.coded.dither`'s draws,
 as ``quantize_state`` rounds. No block scale and no range limit: the grid is
 as fine as ``rho`` everywhere, which no 16-level code over a range of
 ``2**8`` is (15 steps of 1.2 span only 15x). ``m`` is exact, or coded as
@@ -49,13 +50,12 @@ from benchmarks.studies import int4_sweep
 
 RHOS = "1.05,1.1,1.2,1.3,1.41,2"
 B2S = "0.99,0.999"
-_B1, _EPS, _LR = 0.9, 1e-8, 1e-3
 
 
 def _iid(y: jax.Array, lo: jax.Array, hi: jax.Array, count: jax.Array) -> jax.Array:
-  """As ``int4_sweep._unbiased``, with draws independent across updates."""
+  """``int4_sweep.rounded`` with draws independent across updates."""
   u = jax.random.uniform(jax.random.fold_in(jax.random.key(7), count), y.shape)
-  return jnp.where(u < (y - lo) / jnp.where(hi > lo, hi - lo, 1.0), hi, lo)
+  return int4_sweep.rounded(y, lo, hi, u)
 
 
 def grid(rho: float, iid: bool = False) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -83,7 +83,7 @@ def grid(rho: float, iid: bool = False) -> Callable[[jax.Array, jax.Array], jax.
 
 
 def balanced_low(rho: float, below: float = 0.5) -> float:
-  """The stationary probability, from the balance above, that a coded ``v`` lies under ``below`` of its mean.
+  """The stationary probability, by the balance above, of a coded ``v`` under ``below`` of its mean.
 
   For the ratio-1 row's gradients (uniform in [0.5, 1.5]) on the levels
   ``rho**k``: the distribution over levels that the balance gives, its mass
@@ -105,28 +105,20 @@ def balanced_low(rho: float, below: float = 0.5) -> float:
   return float(p[levels < below * mean].sum() / p.sum())
 
 
-def _adam(m: jax.Array, v: jax.Array, g: jax.Array, count: jax.Array, b2: float
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  m, v = (1 - _B1) * g + _B1 * m, (1 - b2) * g**2 + b2 * v
-  t = (count + 1).astype(jnp.float32)
-  return m, v, _LR * (m / (1 - _B1**t)) / (jnp.sqrt(v / (1 - b2**t)) + _EPS)
-
-
 def run(rho: float, b2: float, code_m: bool, steps: int, iid: bool = False, seed: int = 0
         ) -> tuple[float, float]:
-  """(largest step over float32 Adam's, fraction of element-steps with coded ``v`` < half of float32's)."""
+  """(largest step over float32 Adam's, share of element-steps with ``v`` < half float32's)."""
   mags = sweep_lib.magnitudes(np.array([1.0]), 4)
   code_v = grid(rho, iid)
 
   @jax.jit
   def step(carry: Any, g: jax.Array, count: jax.Array) -> Any:
     m, v, m32, v32 = carry
-    m, v, coded = _adam(m, v, g, count, b2)
-    m32, v32, exact = _adam(m32, v32, g, count, b2)
+    m, v, coded = int4_sweep.adam(m, v, g, count, b2)
+    m32, v32, exact = int4_sweep.adam(m32, v32, g, count, b2)
     v = code_v(v, count)
     if code_m:
-      root = jnp.sqrt(v)
-      m = int4_sweep._lib_m(m / jnp.where(root > 0, root, 1.0), count) * root
+      m = int4_sweep.through_v(lambda x: int4_sweep._lib_m(x, count), m, v)
     low = jnp.mean((v < 0.5 * v32).astype(jnp.float32))
     return (m, v, m32, v32), jnp.abs(coded).max(), jnp.abs(exact).max(), low
 
@@ -160,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
   print("|---" * (len(cols) + 3) + "|")
   for rho in rhos:
     cells = [run(rho, 0.99, False, steps, iid=True)] + [run(rho, b2, m, steps) for b2, m in cols]
-    print(f"| {rho:g} | {balanced_low(rho):.2%} | " + " | ".join(f"{r:.2f} ({low:.1%})" for r, low in cells) + " |",
-          flush=True)
+    print(f"| {rho:g} | {balanced_low(rho):.2%} | "
+          + " | ".join(f"{r:.2f} ({low:.1%})" for r, low in cells) + " |", flush=True)
   return 0
 
 

@@ -70,10 +70,29 @@ def _lib_v(x: jax.Array, count: jax.Array) -> jax.Array:
   return coded.quantize(x, "int4", 256, 1, count, True, None, jnp.float32).dequantize()
 
 
-def _unbiased(y: jax.Array, lo: jax.Array, hi: jax.Array, count: jax.Array) -> jax.Array:
-  """``lo`` or ``hi`` per element, ``hi`` with the probability that keeps ``y`` on average."""
-  u = (coded.dither(y.shape, 1, count) >> 8).astype(jnp.float32) * _U24
+def rounded(y: jax.Array, lo: jax.Array, hi: jax.Array, u: jax.Array) -> jax.Array:
+  """``lo`` or ``hi`` per element: ``hi`` where draw ``u`` is under the share that keeps ``y``."""
   return jnp.where(u < (y - lo) / jnp.where(hi > lo, hi - lo, 1.0), hi, lo)
+
+
+def _unbiased(y: jax.Array, lo: jax.Array, hi: jax.Array, count: jax.Array, leaf: int = 1
+              ) -> jax.Array:
+  """:func:`rounded` with ``quantize_state``'s draws (:func:`jmp_lite._src.optim.coded.dither`)."""
+  return rounded(y, lo, hi, (coded.dither(y.shape, leaf, count) >> 8).astype(jnp.float32) * _U24)
+
+
+def _blockwise(x: jax.Array, code: Callable[[jax.Array], jax.Array], block: int = 256
+               ) -> jax.Array:
+  """``code`` of ``x``'s elements flattened into zero-padded blocks, back in ``x``'s shape."""
+  flat = x.reshape(-1)
+  out = code(jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block))
+  return out.reshape(-1)[:flat.size].reshape(x.shape)
+
+
+def through_v(code_m: Callable[[jax.Array], jax.Array], m: jax.Array, v: jax.Array) -> jax.Array:
+  """``m`` coded in preconditioner space: ``code_m(m / sqrt(v))`` times ``sqrt(v)``."""
+  root = jnp.sqrt(v)
+  return code_m(m / jnp.where(root > 0, root, 1.0)) * root
 
 
 def adapt_v(x: jax.Array, count: jax.Array) -> jax.Array:
@@ -104,7 +123,7 @@ def linear_v(x: jax.Array, count: jax.Array) -> jax.Array:
 
 def geometric_v(x: jax.Array, count: jax.Array, rho: float = 1.25, block: int = 256,
                 leaf: int = 1) -> jax.Array:
-  """``v`` in blocks on 15 levels ``rho**-k`` of the block's largest, never under ``rho**-15`` if not 0.
+  """``v`` in blocks on 15 levels ``rho**-k`` of the block's largest (non-zero: >= ``rho**-15``).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -112,16 +131,14 @@ def geometric_v(x: jax.Array, count: jax.Array, rho: float = 1.25, block: int = 
     >>> geometric_v(x, jnp.int32(0))[:4].tolist()  # on its levels; the tiny one at the floor
     [1.0, 0.800000011920929, 0.03518437221646309, 0.0]
   """
-  flat = x.reshape(-1)
-  blocks = jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block)
-  top = blocks.max(-1, keepdims=True)
-  y = blocks / jnp.where(top > 0, top, 1.0)
-  k = jnp.clip(jnp.floor(-jnp.log(jnp.maximum(y, 1e-30)) / np.log(rho)), 0, 14)
-  u = (coded.dither(blocks.shape, leaf, count) >> 8).astype(jnp.float32) * _U24
-  hi, lo = jnp.float32(rho) ** -k, jnp.float32(rho) ** -(k + 1)
-  q = jnp.where(u < (y - lo) / (hi - lo), hi, lo)
-  q = jnp.where(y > 0, jnp.maximum(q, jnp.float32(rho) ** -15), 0.0) * top
-  return q.reshape(-1)[:flat.size].reshape(x.shape)
+  def code(blocks: jax.Array) -> jax.Array:
+    top = blocks.max(-1, keepdims=True)
+    y = blocks / jnp.where(top > 0, top, 1.0)
+    k = jnp.clip(jnp.floor(-jnp.log(jnp.maximum(y, 1e-30)) / np.log(rho)), 0, 14)
+    q = _unbiased(y, jnp.float32(rho) ** -(k + 1), jnp.float32(rho) ** -k, count, leaf)
+    return jnp.where(y > 0, jnp.maximum(q, jnp.float32(rho) ** -15), 0.0) * top
+
+  return _blockwise(x, code, block)
 
 
 def nearest_v(x: jax.Array, count: jax.Array, leaf: int = 1) -> jax.Array:
@@ -134,12 +151,14 @@ def nearest_v(x: jax.Array, count: jax.Array, leaf: int = 1) -> jax.Array:
     [1.0, 0.75, 0.5, 0.0]
   """
   del count, leaf
-  flat = x.reshape(-1)
-  blocks = jnp.pad(flat, (0, -flat.size % 256)).reshape(-1, 256)
-  top = blocks.max(-1, keepdims=True)
-  y = blocks / jnp.where(top > 0, top, 1.0)
-  q = codes4.encode(y, jnp.array(False), jnp.full(y.shape, 0.5), True)
-  return (codes4.levels(q, jnp.array(False)) * top).reshape(-1)[:flat.size].reshape(x.shape)
+
+  def code(blocks: jax.Array) -> jax.Array:
+    top = blocks.max(-1, keepdims=True)
+    y = blocks / jnp.where(top > 0, top, 1.0)
+    q = codes4.encode(y, jnp.array(False), jnp.full(y.shape, 0.5), True)
+    return codes4.levels(q, jnp.array(False)) * top
+
+  return _blockwise(x, code)
 
 
 def _exact(x: jax.Array, count: jax.Array) -> jax.Array:
@@ -160,20 +179,18 @@ def coder(name: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Ar
   def code(m: jax.Array, v: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
     v = code_v(v, count)
     if name in PRE:
-      root = jnp.sqrt(v)
-      return _lib_m(m / jnp.where(root > 0, root, 1.0), count) * root, v
+      return through_v(lambda x: _lib_m(x, count), m, v), v
     return code_m(m, count), v
 
   return code
 
 
-def _adam(m: jax.Array, v: jax.Array, g: jax.Array, count: jax.Array
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Adam's new moments and its largest step per ratio, in ``optax.adam``'s arithmetic."""
-  m, v = (1 - _B1) * g + _B1 * m, (1 - _B2) * g**2 + _B2 * v
+def adam(m: jax.Array, v: jax.Array, g: jax.Array, count: jax.Array, b2: float = _B2
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Adam's new moments and its step, in ``optax.adam``'s arithmetic (lr 1e-3, ``b1`` 0.9)."""
+  m, v = (1 - _B1) * g + _B1 * m, (1 - b2) * g**2 + b2 * v
   t = (count + 1).astype(jnp.float32)
-  step = _LR * (m / (1 - _B1**t)) / (jnp.sqrt(v / (1 - _B2**t)) + _EPS)
-  return m, v, jnp.abs(step).max(axis=(1, 2))
+  return m, v, _LR * (m / (1 - _B1**t)) / (jnp.sqrt(v / (1 - b2**t)) + _EPS)
 
 
 def largest_steps(name: str, ratios: np.ndarray, rows: int, steps: int, seed: int) -> np.ndarray:
@@ -184,9 +201,10 @@ def largest_steps(name: str, ratios: np.ndarray, rows: int, steps: int, seed: in
   @jax.jit
   def step(carry: Any, g: jax.Array, count: jax.Array) -> Any:
     m, v, m32, v32 = carry
-    m, v, coded_step = _adam(m, v, g, count)
-    m32, v32, exact_step = _adam(m32, v32, g, count)
-    return (*code(m, v, count), m32, v32), coded_step, exact_step
+    m, v, coded_step = adam(m, v, g, count)
+    m32, v32, exact_step = adam(m32, v32, g, count)
+    return ((*code(m, v, count), m32, v32), jnp.abs(coded_step).max(axis=(1, 2)),
+            jnp.abs(exact_step).max(axis=(1, 2)))
 
   zeros = jnp.zeros(mags.shape, jnp.float32)
   carry = (zeros, zeros, zeros, zeros)
