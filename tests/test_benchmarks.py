@@ -18,26 +18,17 @@ import statistics
 import subprocess
 import sys
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from benchmarks import autocast
 from benchmarks import call_overhead
 from benchmarks import bars as bars_lib
-from benchmarks.studies import cpu_profile
-from benchmarks.studies import int4_layouts
-from benchmarks.studies import int4_levels
-from benchmarks.studies import int4_sweep
-from benchmarks.optim_oracle import sweep as oracle_sweep
-from benchmarks.studies import kahan_limits
 from benchmarks import masters
 from benchmarks import measure
 from benchmarks import models
-from benchmarks.studies import overhead_study
 from benchmarks import residuals
 from benchmarks import report
 from benchmarks import run
@@ -185,7 +176,6 @@ def _parse(module, argv):
         (run, ("--smoke", "--variants", "fp64"), "f16_dynamic"),
         (run, ("--smoke", "--steps", "0"), ">= 1"),
         (run, ("--sample-seconds", "-1"), "> 0"),
-        (overhead_study, ("--model", "fp64"), "mlp"),
         (sweep, ("--sizes", "huge"), "wide"),
         (sweep, ("--leaves", "50,0"), ">= 1"),
     ],
@@ -261,7 +251,7 @@ def _case(size, leaves, step, compile_, report_s):
 
 
 @pytest.mark.parametrize("meaningful", [True, False])
-def test_sweep_checks_issue_13_targets_where_their_cases_ran(meaningful):
+def test_sweep_checks_its_targets_where_their_cases_ran(meaningful):
   cases = [
       _case("wide", 200, 1.04, 9.0, 1.0),  # step passes; compile is not a target here
       _case("small", 300, 2.0, 1.6, 1.0),  # compile fails
@@ -408,51 +398,6 @@ def test_autocast_benchmark_smoke(tmp_path):
   assert f"results will be written to {out}" in proc.stdout.splitlines()[0]
 
 
-def test_cpu_profile_counts_overlap_once_per_instant_and_nested_events_once():
-  threads = [
-      cpu_profile.outermost([(0, 10, "a.1"), (2, 4, "inner"), (10, 14, "b.2")]),
-      cpu_profile.outermost([(5, 12, "c.1")]),
-      cpu_profile.outermost([(11, 13, "a.3")]),
-  ]
-  assert threads[0] == [(0, 10, "a.1"), (10, 14, "b.2")]
-  by_k = cpu_profile.concurrency(threads)
-  assert by_k == {1: 6, 2: 7, 3: 1}  # alone 0-5, 13-14; two 5-11, 12-13; three 11-12
-  assert sum(by_k.values()) == 14  # the span: no instant counted twice
-  s = cpu_profile.summarize(threads, steps=2, top=2)
-  assert s["kernel_ms"] == (10 + 4 + 7 + 2) / 1e6 / 2
-  assert s["overlap_ms"] == 8 / 1e6 / 2 and s["alone_ms"] == 6 / 1e6 / 2
-  assert s["top_groups"] == [("a", 12 / 1e6 / 2), ("c", 7 / 1e6 / 2)]
-  with pytest.raises(RuntimeError, match="no XLA kernel events"):
-    cpu_profile.summarize([], steps=1, top=1)
-
-
-def test_cpu_profile_smoke_reads_the_kernels_of_each_variant(tmp_path, capsys):
-  assert cpu_profile.main(["--smoke", "--model", "mlp", "--variants", "f16_dynamic,flax_dynamic",
-                           "--out", str(tmp_path)]) == 0
-  files = sorted(tmp_path.iterdir())
-  assert [f.suffix for f in files] == [".json", ".md"]
-  assert files[0].stem.startswith("cpu-profile-mlp-")
-  result = json.loads(files[0].read_text())
-  assert list(result["variants"]) == ["f16_dynamic", "flax_dynamic"]
-  for v in result["variants"].values():
-    p = v["profile"]
-    assert v["wall_ms"] > 0 and v["cpu_ms"] > 0
-    assert 0 < p["kernel_ms"] and 0 <= p["overlap_ms"] <= p["kernel_ms"]
-    assert p["alone_ms"] + p["overlap_ms"] <= p["span_ms"] + 1e-9
-    assert 0 < len(p["top_groups"]) <= 4 and all(t > 0 for _, t in p["top_groups"])
-  out = capsys.readouterr().out
-  assert out.startswith("model mlp (smoke size), variants f16_dynamic, flax_dynamic")
-  assert files[1].read_text() in out
-
-
-def test_cpu_profile_refuses_a_gpu_and_the_gpu_variant(capsys):
-  for args, message in ((["--device", "gpu"], "use a GPU profiler"),
-                        (["--variants", "fp32_highest"], "GPU variant")):
-    with pytest.raises(SystemExit):
-      cpu_profile.main(["--smoke", *args])
-    assert message in capsys.readouterr().err
-
-
 def test_time_once_checks_the_last_output_of_each_sample():
   step = lambda s, _: (s + 1, {"grads_finite": s < 3})  # noqa: E731  skips from the 4th call
   live = measure.Live("v", step, jnp.zeros((), jnp.int32), [], {},
@@ -463,46 +408,7 @@ def test_time_once_checks_the_last_output_of_each_sample():
   assert len(live.cpu_times) == 2
 
 
-# --- benchmarks.studies.kahan_limits (issue 22, item 15) -------------------------------------------
-
-
-def test_kahan_limits_bf16_compensation_stalls_below_its_limit():
-  """The measured limit: bf16-Kahan does not move at u=1e-6 and tracks float32 at 1e-4."""
-  result = kahan_limits.run(256, 2000, (1e-6, 1e-4), seed=0)
-  small, large = (row["variants"] for row in result["rows"])
-  assert small["bf16_kahan"]["moved"] == 0.0 and small["bf16_nearest"]["moved"] == 0.0
-  assert small["fp32"]["moved"] == 1.0
-  # The compensation stalls near 2**8 * u: a fraction of the 2000 updates survives.
-  assert 0.05 < small["bf16_kahan"]["master_drift_vs_fp32"] < 0.5
-  # A float32 compensation holds them all (to float32's own rounding of each update).
-  assert abs(small["bf16_kahan_f32c"]["master_drift_vs_fp32"] - 1) < 0.05
-  for name in ("bf16_kahan", "bf16_kahan_f32c"):
-    assert large[name]["moved"] == 1.0
-    assert abs(large[name]["master_drift_vs_fp32"] - 1) <= kahan_limits.TOLERANCE
-  limits = result["limits"]["limit"]
-  assert limits["bf16_nearest"] is None
-  assert limits["bf16_kahan_f32c"] <= 1e-6 < 1e-5 <= limits["bf16_kahan"] <= 1e-4
-
-
-@pytest.mark.slow
-def test_kahan_limits_smoke(tmp_path):
-  proc, files, result = _smoke_result("benchmarks.studies.kahan_limits", tmp_path)
-  assert [row["update"] for row in result["rows"]] == list(kahan_limits.SMOKE_UPDATES)
-  assert set(result["limits"]["limit"]) == set(kahan_limits.VARIANTS)
-  assert result["bytes_per_param"]["bf16_kahan_f32c"] == 6
-  md = files[1].read_text()
-  assert md in proc.stdout and "| 1e-04 |" in md
-
-
-def test_kahan_limits_help_states_every_default(capsys):
-  with pytest.raises(SystemExit):
-    kahan_limits.build_parser().parse_args(["--help"])
-  text = capsys.readouterr().out
-  for flag, default in [("--weights", "4096"), ("--steps", "2000"), ("--seed", "0")]:
-    assert flag in text and f"(default: {default})" in text
-
-
-# --- benchmarks.call_overhead (issue 31, item 5) -----------------------------------------
+# --- benchmarks.call_overhead ----------------------------------------------------------------
 
 
 def test_call_overhead_variants_train_the_tiny_model_alike():
@@ -539,7 +445,7 @@ def test_call_overhead_smoke(tmp_path):
   assert report.SMOKE_STATUS in proc.stdout
 
 
-# --- benchmarks.residuals (issue 29 item 3; its measure is tested in test_bench_residuals.py) ---
+# --- benchmarks.residuals (its measure is tested in test_bench_residuals.py) ---------------------
 
 
 @pytest.mark.slow
@@ -556,118 +462,3 @@ def test_residuals_help_lists_the_variants_and_models(capsys):
   text = capsys.readouterr().out
   assert "(default: all)" in text and all(n in text for n in (*residuals.VARIANTS,
                                                                *residuals.MODELS))
-
-
-def test_the_skip_study_adds_pieces_without_changing_the_update():
-  from benchmarks.studies import skip_gpu  # pylint: disable=import-outside-toplevel
-
-  problem = models.build_problem("mlp", "smoke")
-  results = {}
-  for name in ("f16_noscale", *skip_gpu.PIECES):
-    v = skip_gpu.variant(name, problem)
-    (params, _), loss = v.fn(v.init(), problem.batch)
-    results[name] = (params, float(loss))
-  for name in skip_gpu.PIECES:
-    chex.assert_trees_all_equal(results[name][0], results["f16_noscale"][0])
-    assert results[name][1] == pytest.approx(results["f16_noscale"][1])
-  bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), problem.params)
-  assert not bool(jnp.isfinite(skip_gpu.sumsq_of(bad, concat=True)))
-  assert float(skip_gpu.sumsq_of(problem.params, concat=True)) == pytest.approx(
-      float(skip_gpu.sumsq_of(problem.params, concat=False)), rel=1e-5)
-
-
-# --- benchmarks.studies.int4_layouts (issue 45) ---------------------------------------------------
-
-
-def test_int4_layouts_default_is_quantize_states_update():
-  """The study's fake quantisation of the default layout trains as quantize_state(.., "int4")."""
-  params = {"b": jnp.zeros(64), "w": jnp.ones((64, 128))}
-  grads = [{"b": jnp.full(64, 0.1), "w": jax.random.normal(jax.random.key(i), (64, 128))}
-           for i in range(6)]
-  finals = []
-  for tx in (jmp.quantize_state(optax.adamw(1e-2, weight_decay=1e-2), "int4"),
-             int4_layouts.fake_quantized_adamw("default", 1e-2, 1e-2)):
-    p, state = params, tx.init(params)
-    step = jax.jit(tx.update)
-    for g in grads:
-      u, state = step(g, state, p)
-      p = optax.apply_updates(p, u)
-    finals.append(p)
-  np.testing.assert_allclose(finals[0]["w"], finals[1]["w"], rtol=0, atol=1e-6)
-  other = int4_layouts.fake_quantized_adamw("default", 1e-2, 1e-2, draws=1)
-  p, state = params, other.init(params)
-  for g in grads:
-    u, state = other.update(g, state, p)
-    p = optax.apply_updates(p, u)
-  assert float(jnp.abs(p["w"] - finals[0]["w"]).max()) > 1e-5  # other draws, other codes
-
-
-def test_int4_layouts_smoke_prints_every_layout(capsys):
-  assert int4_layouts.main(["--smoke"]) == 0
-  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert [r.split(" | ")[0][2:] for r in rows] == list(int4_layouts.LAYOUTS)
-  assert all(r.split(" | ")[4] == "-" for r in rows)  # a smoke run is not compared with torchao
-  with pytest.raises(ValueError, match="layout must be one of"):
-    int4_layouts.coder("rank2")
-
-
-# --- benchmarks.studies.int4_sweep (issue 45) ------------------------------------------------------
-
-
-def test_int4_sweep_lib_is_quantize_states_adam():
-  """The study's ``lib`` coding steps as ``quantize_state(optax.adam, "int4")`` on the same gradients."""
-  ratios, rows, steps = np.array([1.0, 0.1]), 4, 12
-  mags = oracle_sweep.magnitudes(ratios, rows)
-  tx = jmp.quantize_state(optax.adam(1e-3), "int4", min_size=0)
-  params = jnp.zeros(mags.shape)
-  state, top = tx.init(params), np.zeros(len(ratios))
-  step = jax.jit(tx.update)
-  for t in range(steps):
-    u, state = step(jnp.asarray(oracle_sweep.gradients(mags, 0, t)), state, params)
-    top = np.maximum(top, np.asarray(jnp.abs(u).max(axis=(1, 2))))
-  exact = np.zeros(len(ratios))
-  ref = optax.adam(1e-3)
-  s = ref.init(params)
-  for t in range(steps):
-    u, s = ref.update(jnp.asarray(oracle_sweep.gradients(mags, 0, t)), s)
-    exact = np.maximum(exact, np.asarray(jnp.abs(u).max(axis=(1, 2))))
-  np.testing.assert_allclose(int4_sweep.largest_steps("lib", ratios, rows, steps, 0), top / exact,
-                             rtol=1e-5)
-  # and a coding that differs is not the same numbers
-  assert np.abs(int4_sweep.largest_steps("v_linear", ratios, rows, steps, 0) - top / exact).max() > 1e-3
-
-
-def test_int4_sweep_smoke_prints_each_coding(capsys):
-  assert int4_sweep.main(["--smoke"]) == 0
-  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert [r.split(" | ")[0][2:] for r in rows] == ["lib", "pre_adapt"]
-  with pytest.raises(SystemExit):
-    int4_sweep.main(["--codings", "rank2"])
-
-
-# --- benchmarks.studies.int4_levels (issue 45) -----------------------------------------------------
-
-
-def test_int4_levels_grid_rounds_onto_its_levels_without_bias():
-  code = int4_levels.grid(1.3)
-  v = jnp.full((4096,), 0.7)
-  coded = np.stack([np.asarray(code(v, jnp.int32(t))) for t in range(64)])
-  levels = 1.3 ** np.round(np.log(coded) / np.log(1.3))
-  np.testing.assert_allclose(coded, levels, rtol=1e-5)  # every value on a level
-  np.testing.assert_allclose(np.unique(coded), [1.3**-2, 1.3**-1], rtol=1e-5)  # its two neighbours
-  assert abs(coded.mean() - 0.7) < 2e-3  # and right on average
-
-
-def test_int4_levels_balance_predicts_independent_draws():
-  """The closed form for the coded ``v``'s stationary spread is what independent draws measure."""
-  for rho in (1.41, 2.0):
-    _, low = int4_levels.run(rho, 0.99, False, 1500, iid=True)
-    assert low == pytest.approx(int4_levels.balanced_low(rho), rel=0.3)
-  # and the spread grows with the spacing
-  assert int4_levels.balanced_low(1.2) < int4_levels.balanced_low(1.41) < int4_levels.balanced_low(2.0)
-
-
-def test_int4_levels_smoke_prints_each_spacing(capsys):
-  assert int4_levels.main(["--smoke"]) == 0
-  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert [r.split(" | ")[0][2:] for r in rows] == ["1.2", "2"]

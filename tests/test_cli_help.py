@@ -11,8 +11,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ("train_digits", "char_lm", "transformer_lm", "underflow", "weight_updates")
-BENCHMARKS = ("run", "sweep", "masters", "studies.overhead_study", "autocast", "studies.cpu_profile", "gpu_compile",
-              "call_overhead", "fp8_sizes", "optim_state", "gpu_run", "optim_oracle")
+BENCHMARKS = ("run", "sweep", "masters", "autocast", "gpu_compile", "call_overhead", "optim_state",
+              "gpu_run", "optim_oracle")
 
 
 def _build_parser(monkeypatch, kind: str, name: str) -> argparse.ArgumentParser:

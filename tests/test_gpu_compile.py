@@ -18,7 +18,6 @@ import optax
 import pytest
 
 import jmp_lite as jmp
-from benchmarks import fp8_sizes
 from benchmarks import gpu_compile
 from benchmarks import hlo_census
 from benchmarks import models
@@ -60,12 +59,10 @@ def test_fp8_step_is_all_float8_gemms_on_both_gemm_paths(tmp_path):
   assert "**Compiled for an NVIDIA H100 80GB HBM3, not run**" in next(tmp_path.glob("*.md")).read_text()
 
 
-@pytest.mark.parametrize("command", ["gpu_compile", "fp8_sizes"])
-def test_without_the_plugin_the_command_says_what_to_install(command, monkeypatch, capsys):
+def test_without_the_plugin_the_command_says_what_to_install(monkeypatch, capsys):
   monkeypatch.setattr(gpu_compile, "plugin_missing", lambda: gpu_compile.PLUGIN_HINT)
-  main = {"gpu_compile": gpu_compile.main, "fp8_sizes": fp8_sizes.main}[command]
   with pytest.raises(SystemExit) as e:
-    main(["--smoke"])
+    gpu_compile.main(["--smoke"])
   assert e.value.code == 2 and "pip install -e '.[gpu]'" in capsys.readouterr().err
 
 
@@ -86,6 +83,47 @@ def test_steered_fp8_steps_compile_to_float8_gemms_except_the_kept(recipe, bf16_
     summary = hlo_census.summary(hlo_census.census(compiled.as_text()))
     assert summary["gemms"] - summary["fp8_gemms"] == bf16_gemms, summary["gemm_kinds"]
     assert all(" bf16 x bf16" in k or "f8" in k for k in summary["gemm_kinds"]), summary
+
+
+def _fp8_linear(shape, compiler_options):
+  """One linear layer's forward and both backward GEMMs, every one in FP8, compiled for an H100."""
+  layer = jmp.autocast(lambda w, x: x @ w, jnp.bfloat16, fp8=jmp.Float8Recipe(min_size=0))
+
+  def work(w, x, g):
+    y, pullback = jax.vjp(layer, w, x)
+    return y, pullback(g)
+
+  m, k, n = shape
+  args = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((k, n), (m, k), (m, n)))
+  return gpu_lib.compile_placed(work, args, "h100", compiler_options).as_text()
+
+
+def _gemm_lines(text):
+  return [line for line in text.splitlines()
+          if "__cublas$lt$matmul" in line or (" dot(" in line and "= " in line)]
+
+
+@needs_plugin
+def test_fp8_gemm_dims_not_multiples_of_16_are_padded_for_cublaslt_and_taken_by_triton():
+  """A 100x200x10 layer: XLA pads each FP8 GEMM to multiples of 16 for cuBLASLt; Triton takes it as is.
+
+  Neither path falls back to a half GEMM or refuses: every GEMM is float8.
+  """
+  shape = (100, 200, 10)
+  text = _fp8_linear(shape, {"xla_gpu_enable_triton_gemm": False})
+  fp8_calls = [line for line in _gemm_lines(text) if "__cublas$lt$matmul$f8" in line]
+  assert len(fp8_calls) == len(_gemm_lines(text)) == 3
+  products = {tuple(sorted(map(int, re.search(r"= \(bf16\[(\d+),(\d+)\]", line).groups())))
+              for line in fp8_calls}
+  assert products == {(16, 112), (16, 208), (112, 208)}  # 10 -> 16, 100 -> 112, 200 -> 208
+  assert re.search(r"f8e4m3fn\[112,208\]", text) and "pad" in text
+  # The results come back in the layer's own shapes.
+  outputs = re.search(r"^ENTRY .* -> \((.*)\) \{$", text, re.M).group(1)
+  assert outputs == "bf16[100,10], bf16[200,10], bf16[100,200]"
+  triton = _fp8_linear(shape, {})
+  ops = [op for op in hlo_census.census(triton) if op.kind == "gemm"]
+  assert len(ops) == 3 and all(op.float8 and op.runner == "Triton GEMM" for op in ops)
+  assert not re.search(r"f8e4m3fn\[(?:112|208),", triton)  # unpadded
 
 
 @needs_plugin
