@@ -1,5 +1,6 @@
 """The documentation: the Sphinx site builds without warnings, every public name
-is in the API reference, and every Python block of the README and the guides runs.
+is in the API reference, every Python block of the README and the guides runs,
+and every relative link points at a file (and heading) that exists.
 
 Code blocks run page by page: the ```` ```python ```` blocks of one page are
 executed in order in one fresh namespace, so a page's snippets may build on each
@@ -135,8 +136,8 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
   code, devices = _runnable(page)
   if not code:
     pytest.skip("every block of this page is marked not-run (see NOT_RUN)")
-  # The page's temp folder, which it must leave empty (a checkpoint left in
-  # /tmp on every run was issue 22, item 17b).
+  # The page's temp folder, which it must leave empty (a guide's checkpoint
+  # once stayed behind in /tmp on every run).
   temp = tmp_path / "temp"
   temp.mkdir()
   _run_page(page, code, devices, tmp_path, temp, monkeypatch)
@@ -186,7 +187,7 @@ def _imported_modules(code: str) -> set[str]:
 
 
 def test_the_readme_setup_installs_what_the_docs_and_examples_import():
-  # Issue 31 item 6: the guides imported equinox, which no set-up command installed.
+  # The guides once imported equinox, which no set-up command installed.
   setup = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
   extras = _extras()
   local = {p.stem for p in (ROOT / "examples").glob("*.py")} | {"jmp_lite"}
@@ -200,6 +201,54 @@ def test_the_readme_setup_installs_what_the_docs_and_examples_import():
     missing = sorted(m for m in modules
                      if not {_normalise(d) for d in distributions[m]} & installed)
     assert not missing, f"'.[{extra}]' does not install {missing}, which the docs or examples import"
+
+
+# Markdown files whose relative links are checked: the README, the guides, the
+# changelog and the index of the committed benchmark results.
+LINKED = [*PAGES, ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "results" / "README.md"]
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+_CODE = re.compile(r"^```.*?^```[ \t]*$|`[^`\n]*`", re.S | re.M)
+_HEADING = re.compile(r"^(#{1,3})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+  """The anchors MyST gives ``page``'s headings (``myst_heading_anchors = 3``)."""
+  text = re.sub(r"^```.*?^```[ \t]*$", "", page.read_text(), flags=re.S | re.M)
+  anchors = set()
+  for _, title in _HEADING.findall(text):
+    title = re.sub(r"`([^`]*)`", r"\1", title)             # code spans keep their text
+    title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)  # links keep their text
+    slug = re.sub(r"[^\w\- ]", "", title.lower().replace(" ", "-"))
+    unique, i = slug, 1
+    while unique in anchors:
+      unique, i = f"{slug}-{i}", i + 1
+    anchors.add(unique)
+  return anchors
+
+
+def _relative_links(page: pathlib.Path) -> list[str]:
+  """The link targets of ``page`` that are neither URLs nor inside code."""
+  text = _CODE.sub("", page.read_text())
+  return [t for t in _LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_anchors_are_myst_slugs():
+  page = DOCS / "train_step.md"
+  assert "evaluation-in-the-training-precision-make_eval_step" in _anchors(page)
+  assert "options" in _anchors(page) and "why-it-works-this-way" in _anchors(page)
+
+
+@pytest.mark.parametrize("page", LINKED, ids=_rel)
+def test_relative_links_point_at_files_and_headings_that_exist(page):
+  dead = []
+  for target in _relative_links(page):
+    path, _, anchor = target.partition("#")
+    file = (page.parent / path).resolve() if path else page
+    if not file.exists():
+      dead.append(f"{target}: no file {file.relative_to(ROOT) if file.is_relative_to(ROOT) else file}")
+    elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+      dead.append(f"{target}: no heading with that anchor in {_rel(file)}")
+  assert not dead, f"{_rel(page)} has dead links:\n" + "\n".join(dead)
 
 
 def test_every_public_name_is_in_the_api_reference():
