@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jmp_lite._src.autocast import chains
 from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src.autocast import promote as rules
 from jmp_lite._src.autocast import regions
@@ -94,7 +95,7 @@ def eval_closed(closed: Any, args: Sequence[Any], cfg: _Config,
 
 
 # The outputs of the nested call being evaluated that its caller reads only in
-# float32 (see rules.feeding_float32): read once, by the call body's evaluator.
+# float32 (see chains.feeding_float32): read once, by the call body's evaluator.
 TAKEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "jmp_lite_autocast_taken", default=frozenset())
 
@@ -169,7 +170,7 @@ class _Evaluator:
     # The outputs the caller reads only in float32 (a nested jit's chain goes on there).
     taken, token = TAKEN.get(), TAKEN.set(frozenset())
     try:
-      self.forced, self.calls, _ = rules.feeding_float32(jaxpr, self.cfg.lists.rule, taken)
+      self.forced, self.calls, _ = chains.feeding_float32(jaxpr, self.cfg.lists.rule, taken)
       return self._run(jaxpr, consts, args, metas, out_metas, keep, taken)
     finally:
       TAKEN.reset(token)
@@ -327,7 +328,7 @@ class _Evaluator:
     else:
       decision = rules.promote(name, ops, out_size)
       if id(eqn) in self.forced:  # It feeds a float32-list op: float32 back to the matmul.
-        decision = rules.reach_back(decision)
+        decision = chains.reach_back(decision)
     if (decision.compute == F32 and name not in _NOT_IN_REGIONS
         and not eqn.primitive.multiple_results):
       return self.pending(eqn, ins, floats, decision)
