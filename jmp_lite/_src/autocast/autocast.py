@@ -157,7 +157,8 @@ def autocast(
     literals (``jnp.where(mask, 0.0, -1e9)``), keeps the operation it meets
     in float32; and the element-wise chain that only feeds float32-list ops
     (``logits / 0.01`` before a ``log_softmax``) runs in float32 from the
-    matmul that produced it.
+    matmul that produced it, as does the chain a hazard reads (``p`` in
+    ``clip(p, 1e-7, 1 - 1e-7)``, whatever else reads ``p``).
   * ``x * x`` (a ``mul`` of a value by itself) follows ``square``'s list.
   * Integer, bool and PRNG-key values are never touched; float64, float8 and
     complex values are never cast.

@@ -267,6 +267,23 @@ def promote(name: str, ops: Sequence[Operand], out_size: int) -> Decision:
   return Decision(target, None, Meta(kind, info, source, total))
 
 
+def _changes(value: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per element of a constant, in ``dtype``: (changed by rounding, past its range, lost beside 1).
+
+  Changed by rounding: subnormal, flushed to 0, or rounded to exactly 1 or
+  -1. Lost beside 1: nonzero, and ``1 + |value|`` rounds to 1.
+  """
+  v = np.abs(np.asarray(value, np.float64))
+  info = jnp.finfo(dtype)
+  with np.errstate(over="ignore"):
+    rounded = np.abs(np.asarray(np.asarray(v, dtype), np.float64))
+  finite = (v != 0) & np.isfinite(v)
+  one = (rounded == 1) & (v != 1)
+  changed = finite & ((v < float(info.tiny)) | one)
+  beside_one = finite & ((v <= float(info.eps) / 2) | one)  # 1 + eps / 2 rounds to 1 (to even).
+  return changed, finite & (v > float(info.max)), beside_one
+
+
 def fits(value: np.ndarray, dtype: np.dtype) -> bool:
   """Whether a constant keeps its value in ``dtype`` (zero, inf and NaN do).
 
@@ -281,13 +298,29 @@ def fits(value: np.ndarray, dtype: np.dtype) -> bool:
     >>> fits(1e-8, f16), fits(1e-8, bf16), fits(1 - 1e-7, bf16), fits(-1e9, f16), fits(0.1, f16)
     (False, True, False, False, True)
   """
-  v = np.abs(np.asarray(value, np.float64))
-  info = jnp.finfo(dtype)
-  with np.errstate(over="ignore"):
-    rounded = np.abs(np.asarray(np.asarray(v, dtype), np.float64))
-  ok = (v == 0) | ~np.isfinite(v) | ((v >= float(info.tiny)) & (v <= float(info.max))
-                                     & ((rounded != 1) | (v == 1)))
-  return bool(np.all(ok))
+  changed, past, _ = _changes(value, dtype)
+  return not bool(np.any(changed | past))
+
+
+def finer(value: np.ndarray, dtype: np.dtype) -> bool:
+  """Whether a constant marks a difference that ``dtype`` cannot resolve near 1.
+
+  A nonzero value that 1 does not survive being added to in ``dtype`` (an
+  eps: ``1e-8``, or ``1e-3`` in bfloat16), or that rounds to exactly 1 or
+  -1 itself (a clip bound, ``1 - 1e-7``): a value it is added to, or that
+  it clips, must be held more finely than ``dtype`` holds a probability
+  near 1 (``log(1 - p + 1e-8)``, ``clip(p, 1e-7, 1 - 1e-7)``). A value past
+  the range (a sentinel, ``-1e9``) is not: it changes the operation, not
+  what the operation needs of its other operands.
+
+  Examples:
+    >>> f16, bf16 = np.dtype("float16"), np.dtype(jnp.bfloat16)
+    >>> finer(1e-8, bf16), finer(1e-3, bf16), finer(1e-3, f16), finer(1 - 1e-7, bf16)
+    (True, True, False, True)
+    >>> finer(-1e9, f16), finer(0.5, f16), finer(0.0, f16)
+    (False, False, False)
+  """
+  return bool(np.any(_changes(value, dtype)[2]))
 
 
 def operand_fits(const: Any, meta: Meta, dtype: np.dtype, name: str) -> bool:

@@ -108,6 +108,13 @@ def pending_of(x: Any) -> Union[regions.Node, None]:
   return x if isinstance(x, regions.Node) and not x.region.done else None
 
 
+def held_of(x: Any) -> Union[regions.Node, None]:
+  """The float32 chain's node ``x`` holds (itself, or the source of its moves), bound or not."""
+  if isinstance(x, Moved):
+    x = x.src
+  return x if isinstance(x, regions.Node) and x.held else None
+
+
 def constant_of(x: Any) -> Any:
   """The value of a constant operand (a literal, a broadcast of one); ``None`` if traced."""
   if isinstance(x, Moved):
