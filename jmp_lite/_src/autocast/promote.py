@@ -28,6 +28,8 @@ from typing import Any, NamedTuple, Sequence, Union
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src.autocast import lists as autocast_lists
+
 
 F32 = np.dtype(jnp.float32)
 HALVES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -37,7 +39,7 @@ HALF, DATA, STAT, WIDE, CONST, OTHER = "half", "data", "stat", "wide", "const", 
 _PRIORITY = {STAT: 3, DATA: 2, WIDE: 1, CONST: 0}
 
 # Float32-list operations whose result is a statistic (its range grows with the size).
-REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+REDUCTIONS = autocast_lists.ACCUMULATIONS
 
 # Element-wise primitives: their result carries no more data than their operands
 # (a product of a broadcast statistic and a broadcast scale is still small).
