@@ -226,6 +226,13 @@ def written_convert(eqn: Any) -> bool:
   ``promote_dtypes`` or inlined from its jitted operation. Read from the
   equation's traceback (the functions of JAX's own frames); ``False`` where
   it has none.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x, table: (x.astype(jnp.float32), x + table)
+    >>> jaxpr = jax.make_jaxpr(f)(jnp.ones(2, jnp.float16), jnp.ones(2)).jaxpr
+    >>> [written_convert(e) for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    [True, False]
   """
   frames = getattr(getattr(getattr(eqn, "source_info", None), "traceback", None), "frames", None)
   if eqn.primitive.name != "convert_element_type" or not frames:
