@@ -291,8 +291,8 @@ def precision_lint(
   ``log1p``
   ``reduce_sum`` ``reduce_prod``            operand is f16, or the      f16
   ``cumsum`` ``cumprod`` ``cumlogsumexp``   result is cast back to f16
-  ``scatter-add`` ``scatter-sub``           operand dtype (segment_sum, f16, bf16
-  ``scatter-mul``                           ``x.at[i].add``)
+  ``scatter-add`` ``scatter-sub``           operand dtype               f16, bf16
+  ``scatter-mul``                           (segment_sum, .at[].add)
   ``dot_general``                           contracting size or output  f16, bf16
                                             features not a multiple
                                             of 8

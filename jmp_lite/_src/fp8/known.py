@@ -90,7 +90,8 @@ def check_amaxes(amaxes: Any, params: Any) -> None:
     return
   want = jax.tree.structure(jax.tree.map(lambda x: 0 if _is_matrix(x) else None, params))
   found = jax.tree_util.tree_flatten_with_path(amaxes)[0]
-  if jax.tree.structure(amaxes) != want:
+  got: Any = jax.tree.structure(amaxes)  # Any: mypy cannot compare jaxlib's PyTreeDef.
+  if got != want:
     weights = {tree_utils.path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
                if _is_matrix(x)}
     given = {tree_utils.path_str(p) for p, _ in found}
@@ -98,7 +99,7 @@ def check_amaxes(amaxes: Any, params: Any) -> None:
     what = "; ".join(
         [f"no amax for the weight(s) {missing}"] * bool(missing)
         + [f"leaves at {extra}, which hold no weight matrix of the params"] * bool(extra)) or (
-            f"its tree structure is {jax.tree.structure(amaxes)}, the params' amaxes' {want}")
+            f"its tree structure is {got}, the params' amaxes' {want}")
     raise ValueError(_AMAXES_MSG.format(what=what))
   for path, amax in found:
     if jnp.shape(amax) != ():
