@@ -186,6 +186,41 @@ def test_bfloat16_sum_is_exact_under_autocast(maybe_jit):
   assert float(maybe_jit(jmp.autocast(jnp.sum, jnp.bfloat16))(ones)) == 100_000.0
 
 
+def _segment_mean(v, ids):  # jraph's: a sum over a count, both scatter-adds.
+  count = jax.ops.segment_sum(jnp.ones_like(v), ids, num_segments=3)
+  return jax.ops.segment_sum(v, ids, num_segments=3) / jnp.maximum(count, 1.0)
+
+
+# Sums by scatter (graph networks' aggregations): the scatter-add of 100000 values.
+SCATTER_SUMS = {
+    "segment_sum": lambda v, ids: jax.ops.segment_sum(v, ids, num_segments=3),
+    "sorted_segment_sum": lambda v, ids: jax.ops.segment_sum(v, ids, 3, indices_are_sorted=True),
+    "segment_mean": _segment_mean,
+    "at_add": lambda v, ids: jnp.zeros(3, v.dtype).at[ids].add(v),
+}
+
+
+@half_dtypes
+@pytest.mark.parametrize("case", list(SCATTER_SUMS))
+def test_sums_by_scatter_accumulate_in_float32_as_reductions_do(case, dtype, maybe_jit):
+  # A float16 segment_sum of 100000 values of 8.0 was 16384 (bfloat16: 2048) under
+  # autocast too, where jnp.sum accumulates in float32; a sum stops growing at 2048
+  # (bfloat16: 256) times its terms.
+  fn = SCATTER_SUMS[case]
+  ids = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 3, 100_000)), jnp.int32)
+  v = jnp.asarray(np.random.default_rng(1).uniform(0.0, 16.0, 100_000), dtype)
+  expected = np.asarray(fn(v.astype(F32), ids))
+  assert not np.allclose(np.asarray(fn(v, ids), F32), expected, rtol=0.1)  # Half alone is off.
+  out = maybe_jit(jmp.autocast(fn, dtype))(v, ids)
+  assert out.dtype == F32
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6)
+  grad = jax.grad(lambda v: jmp.autocast(fn, dtype)(v, ids).sum())(v)
+  assert grad.dtype == dtype
+  assert_close(grad, jax.grad(lambda v: fn(v, ids).sum())(v.astype(F32)), HALF_TOL[dtype])
+  found = out_dtypes(jmp.autocast(fn, dtype), v, ids, names={"scatter-add"})
+  assert found == {"scatter-add": {"float32"}}
+
+
 @half_dtypes
 def test_mlp_with_layernorm_and_softmax_matches_float32(dtype, maybe_jit):
   def f(params, x):

@@ -6,6 +6,8 @@ The multi-device behaviour (the cast before the gather, bit for bit) is in
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,6 +166,31 @@ def test_a_skipped_step_leaves_the_amaxes_bit_for_bit_and_replace_takes_them_ane
   assert float(bigger.weight_amaxes["w2"]) == 4 * float(before["w2"])
   with pytest.raises(TypeError, match="weight_amaxes"):
     jmp.TrainState.create(params=params, tx=tx, weight_amaxes="yes")
+
+
+def test_replace_refuses_weight_amaxes_unlike_the_params():
+  # A tree unlike the params was accepted (and the step read amaxes by path from it).
+  params, _ = _mlp_problem()
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.1), weight_amaxes=True)
+  amaxes = state.weight_amaxes
+  with pytest.raises(ValueError, match=r"^weight_amaxes must .*: no amax for the weight\(s\) "
+                                       r"\['w2'\]$"):
+    state.replace(weight_amaxes={"w1": amaxes["w1"], "b1": None})
+  with pytest.raises(ValueError, match=r": leaves at \['b1'\], which hold no weight matrix"):
+    state.replace(weight_amaxes=state.params)  # The params themselves.
+  with pytest.raises(ValueError, match=r": the amax at 'w1' has shape \(2,\), not \(\)"):
+    state.replace(weight_amaxes={**amaxes, "w1": jnp.stack([amaxes["w1"]] * 2)})
+  with pytest.raises(ValueError, match=r"no amax for the weight\(s\) \['w3'\]"):  # New params.
+    state.replace(params={**state.params, "w3": jnp.ones((4, 4))}, weight_amaxes=amaxes)
+  with pytest.raises(ValueError, match=r": its tree structure is PyTreeDef\(CustomNode\(OrderedDict"):
+    state.replace(weight_amaxes=collections.OrderedDict(amaxes))  # The same paths.
+  # Accepted: None, the state's own, new params' own; under jit a structure check (no op).
+  assert state.replace(weight_amaxes=None).weight_amaxes is None
+  doubled = jax.tree.map(lambda x: x * 2, state.params)
+  again = state.replace(params=doubled, weight_amaxes=fp8_known.tree_amaxes(doubled))
+  assert float(again.weight_amaxes["w1"]) == 2 * float(amaxes["w1"])
+  jaxpr = jax.make_jaxpr(lambda s: s.replace(weight_amaxes=s.weight_amaxes).weight_amaxes)(state)
+  assert jaxpr.eqns == []
 
 
 def test_a_rowwise_step_takes_each_weights_row_amaxes_before_and_matches_bit_for_bit(monkeypatch):

@@ -174,6 +174,33 @@ def test_by_default_only_gemms_of_4096_and_up_run_in_fp8(fp8):
         assert counts(fn, w, x) == expected, (m, k, n)
 
 
+def _conv_loss(params, batch):  # A convolution and a sum: no matmul for FP8 to take.
+  y = jax.lax.conv(batch["x"], params["k"], (1, 1), "SAME")
+  return jnp.mean(jnp.tanh(y) ** 2)
+
+
+@pytest.mark.parametrize("fp8", [True, FP8], ids=["default", "min_size_0"])
+def test_fp8_on_a_function_without_a_matmul_warns_as_min_size_does(fp8):
+  # Was silent, while matmuls under min_size warned: FP8 asked for, nothing in it.
+  params = {"k": normal(1, (4, 3, 3, 3))}
+  batch = {"x": normal(0, (2, 3, 8, 8))}
+  match = r"^fp8 is on, but the function runs no floating matmul .* so nothing runs in FP8"
+  with pytest.warns(UserWarning, match=match) as caught:
+    jmp.autocast(_conv_loss, jnp.bfloat16, fp8=fp8)(params, batch)
+  assert len(caught) == 1
+  step = jmp.make_train_step(_conv_loss, jmp.get_policy("mixed_bfloat16"), autocast=True,
+                             fp8=fp8)
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.1))
+  with pytest.warns(UserWarning, match=match):
+    step(state, batch)
+  # One class and one message for both: a matmul under min_size says the same.
+  with pytest.warns(UserWarning, match=r"^fp8 is on, but none of the 1 matmuls .* so nothing "
+                                       r"runs in FP8: every one runs in the half dtype") as caught:
+    jmp.autocast(lambda w, x: x @ w, jnp.bfloat16, fp8=jmp.Float8Recipe(min_size=64))(
+        normal(1, (8, 8)), normal(0, (4, 8)))
+  assert [w.category for w in caught] == [UserWarning]
+
+
 def test_min_size_in_between_splits_the_gemms():
   def fn(p, x):
     return (x @ p["wide"]) @ p["narrow"]   # 64x128x256, then 64x256x8

@@ -440,3 +440,49 @@ def test_a_finding_names_its_own_call_site_when_jax_reuses_a_cached_body():
   sources = [{f.source for f in fs} for fs in found]
   assert len(sources[0]) == len(sources[1]) == 1 and sources[0] != sources[1], sources
   assert all("test_lint.py" in s for group in sources for s in group), sources
+
+
+# --- sums by scatter ----------------------------------------------------------
+
+
+def graph_loss(params, batch):
+  """A graph network's step: messages summed into nodes, nodes into graphs."""
+  messages = batch["x"] @ params["w"]
+  nodes = jax.ops.segment_sum(messages, batch["receivers"], num_segments=4)  # SEGMENT LINE
+  graphs = jnp.zeros((2, 8), nodes.dtype).at[batch["graph"]].add(nodes)  # AT ADD LINE
+  return jnp.mean(graphs.astype(jnp.float32) ** 2)
+
+
+def graph_data():
+  edges = 20000  # Each node sums 2000 or more messages: past 256 (bfloat16) times one.
+  batch = {"x": jax.random.uniform(jax.random.key(1), (edges, 16)),
+           "receivers": jnp.minimum(jnp.arange(edges) % 7, 3),
+           "graph": jnp.array([0, 0, 1, 1])}
+  return {"w": jax.random.uniform(jax.random.key(2), (16, 8)) / 16}, batch
+
+
+def _line(marker):
+  return f"{pathlib.Path(__file__).name}:" + str(
+      next(i for i, line in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
+           if line.endswith(marker)))
+
+
+@pytest.mark.parametrize("policy, dtype", [("mixed_float16", "float16"),
+                                           ("mixed_bfloat16", "bfloat16")])
+def test_lint_names_sums_by_scatter_in_half_and_none_under_autocast(policy, dtype):
+  # jax.ops.segment_sum accumulated silently in half, bfloat16 included.
+  params, batch = graph_data()
+  found = [f for f in jmp.precision_lint(graph_loss, params, batch, policy=policy)
+           if f.op == "scatter-add"]
+  assert [f.source.split(" ")[0].split("/")[-1] for f in found] == [
+      _line("# SEGMENT LINE"), _line("# AT ADD LINE")]
+  for f in found:
+    assert f.reason.startswith(f"scatter-add (jax.ops.segment_sum, x.at[i].add) accumulates "
+                               f"in {dtype}: a sum stops growing at "), f.reason
+  assert not [f for f in jmp.precision_lint(graph_loss, params, batch, policy=policy,
+                                            autocast=True) if f.op.startswith("scatter")]
+  want = float(graph_loss(params, batch))
+  half = float(graph_loss(*jmp.get_policy(policy).cast_to_compute((params, batch))))
+  auto = float(jmp.autocast(graph_loss, getattr(jnp, dtype))(
+      *jmp.get_policy(policy).cast_to_compute((params, batch))))
+  assert abs(half - want) > 0.1 * want and abs(auto - want) < 0.01 * want, (want, half, auto)

@@ -12,6 +12,7 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
@@ -202,3 +203,66 @@ def test_nnx_batchnorm_names_its_dtype_none():
   [reason] = _reasons(found)
   assert reason.split(": ")[1].startswith(PINS) and "dtype=float32 or None" in reason
   assert "model-state" not in reason and RANDOM not in reason
+
+
+# --- a position table made in float32 beside a pinned layer or an explicit upcast ----
+
+
+def _position_table(length, width):
+  """A sinusoidal position table made inside the function: float32 (no dtype given)."""
+  angle = jnp.arange(length)[:, None] / 10000.0 ** (jnp.arange(width // 2)[None] * 2 / width)
+  return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], -1)
+
+
+class _PositionsThenPinned(nn.Module):
+  """flax's wmt in its float32 config: a float32 position table, then pinned layers."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(64, 16)(tokens) + _position_table(tokens.shape[1], 16)
+    x = x.astype(jnp.float32)  # wmt's x.astype(config.dtype): float32 already.
+    x = nn.relu(nn.Dense(16, dtype=jnp.float32)(nn.LayerNorm(dtype=jnp.float32)(x)))
+    return nn.Dense(16, dtype=jnp.float32)(x)
+
+
+def _pinned_problem():
+  model, tokens = _PositionsThenPinned(), jnp.arange(16).reshape(2, 8) % 64
+  params = model.init(jax.random.key(0), tokens)["params"]
+  return lambda p, t: jnp.mean(model.apply({"params": p}, t) ** 2), params, tokens
+
+
+def _upcast_problem(upcast=True):
+  def loss_fn(params, tokens):
+    x = params["embed"][tokens]
+    if upcast:
+      x = x.astype(jnp.float32)  # An explicit upcast, before the table meets it.
+    x = x + _position_table(tokens.shape[1], 16)
+    return jnp.mean((jax.nn.relu(x @ params["w1"]) @ params["w2"]) ** 2)
+
+  params = {k: jax.random.normal(jax.random.key(i), s) / 4 for i, (k, s) in enumerate(
+      [("embed", (64, 16)), ("w1", (16, 16)), ("w2", (16, 16))])}
+  return loss_fn, params, jnp.arange(16).reshape(2, 8) % 64
+
+
+@pytest.mark.parametrize("problem", [_pinned_problem, _upcast_problem],
+                         ids=["pinned_layers", "explicit_upcast"])
+def test_a_position_table_is_not_blamed_for_what_a_pinned_layer_or_an_upcast_does(problem):
+  # Fixing the table would leave every matmul in float32 (the layers, or the astype,
+  # cast to float32 whatever it is); lint and the step's warning blamed it, 2 of 2.
+  loss_fn, params, tokens = problem()
+  reasons = _reasons(jmp.precision_lint(loss_fn, params, tokens, policy=F16))
+  assert len(reasons) == 2
+  for reason in reasons:
+    assert reason.split(": ")[1].startswith(PINS) and MADE not in reason, reason
+  state = jmp.TrainState.create(params=params, tx=optax.sgd(0.1))
+  with pytest.warns(jmp.NothingInHalfWarning) as caught:
+    jmp.make_train_step(loss_fn, F16, donate=False)(state, tokens)
+  (message,) = [str(w.message) for w in caught]
+  assert f"precision_lint names the cause: {PINS}" in message and MADE not in message
+
+
+def test_a_position_table_alone_is_named():
+  # The control: without the upcast, the table is what makes the matmuls float32.
+  loss_fn, params, tokens = _upcast_problem(upcast=False)
+  reasons = _reasons(jmp.precision_lint(loss_fn, params, tokens, policy=F16))
+  assert len(reasons) == 2 and all(r.split(": ")[1].startswith(MADE) for r in reasons)

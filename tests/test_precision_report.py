@@ -330,3 +330,19 @@ def test_fp8_and_batch_options_are_checked_as_the_step_checks_them():
     jmp.precision_report(mlp_loss, params, batch, policy=f16, backward="yes")
   with pytest.raises(ValueError, match="batch_keep_full=\\('y',\\) needs a policy"):
     jmp.precision_report(mlp_loss, params, batch, batch_keep_full=("y",))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_summing_scatter_is_counted_as_a_reduction_in_its_dtype(policy):
+  def loss(params, batch):  # segment_sum and .at[].add: one scatter-add each.
+    nodes = jax.ops.segment_sum(batch["x"] @ params["w"], batch["ids"], num_segments=4)
+    return jnp.mean(jnp.zeros((2, 8), nodes.dtype).at[batch["graph"]].add(nodes))
+
+  params = {"w": jnp.ones((16, 8))}
+  batch = {"x": jnp.ones((64, 16)), "ids": jnp.arange(64) % 4, "graph": jnp.array([0, 0, 1, 1])}
+  half = np.dtype(jmp.get_policy(policy).compute_dtype).name
+  plain = jmp.precision_report(loss, params, batch, policy=policy)
+  auto = jmp.precision_report(loss, params, batch, policy=policy, autocast=True)
+  # The mean's sum: float32 (jnp widens it); the two scatters: half, float32 under autocast.
+  assert plain.count("reduction", half) == 2 and plain.count("other", half) == 0
+  assert auto.count("reduction", half) == 0 and auto.count("reduction", "float32") == 3

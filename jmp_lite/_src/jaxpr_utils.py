@@ -213,6 +213,35 @@ def reaches(
   return found
 
 
+_JAX_ROOT = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
+def written_convert(eqn: Any) -> bool:
+  """Whether a ``convert_element_type`` was written, not made by ``jax.numpy``'s type promotion.
+
+  Written: ``x.astype(...)``, ``jnp.asarray(x, dtype)``, ``lax.convert_element_type``,
+  a layer casting to its ``dtype`` (Flax's ``promote_dtype``). Made by
+  promotion: the convert of a half operand that a ``jax.numpy`` operation
+  meets with a float32 one (``x + table``), bound inside ``jax.numpy``'s
+  ``promote_dtypes`` or inlined from its jitted operation. Read from the
+  equation's traceback (the functions of JAX's own frames); ``False`` where
+  it has none.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x, table: (x.astype(jnp.float32), x + table)
+    >>> jaxpr = jax.make_jaxpr(f)(jnp.ones(2, jnp.float16), jnp.ones(2)).jaxpr
+    >>> [written_convert(e) for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    [True, False]
+  """
+  frames = getattr(getattr(getattr(eqn, "source_info", None), "traceback", None), "frames", None)
+  if eqn.primitive.name != "convert_element_type" or not frames:
+    return False
+  names = [f.function_name for f in frames if os.path.abspath(f.file_name).startswith(_JAX_ROOT)]
+  return "_convert_element_type" in names and not any(
+      n.lstrip("_").startswith("promote_") for n in names)
+
+
 def library_roots() -> tuple[str, ...]:
   """Directories of the imported :data:`LIBRARIES`, each ending in a separator."""
   roots = []

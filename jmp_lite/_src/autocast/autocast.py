@@ -129,8 +129,9 @@ def autocast(
 
   * **half list** (matmuls and convolutions): floating inputs are cast to
     ``dtype``; the result is ``dtype``.
-  * **float32 list** (exp, log, pow, rsqrt, sums and products, ...): half
-    inputs are cast to float32; the result is float32. Softmax, logsumexp,
+  * **float32 list** (exp, log, pow, rsqrt, sums and products, the scatters
+    that sum: ``jax.ops.segment_sum``, ``x.at[i].add``, ...): half inputs are
+    cast to float32; the result is float32. Softmax, logsumexp,
     the statistics of norms and variances, and cross-entropies are built from
     these and so run in float32.
   * **promote list** (everything else that computes in its inputs' dtype): a
@@ -157,11 +158,12 @@ def autocast(
     literals (``jnp.where(mask, 0.0, -1e9)``), keeps the operation it meets
     in float32; and the element-wise chain that only feeds float32-list ops
     (``logits / 0.01`` before a ``log_softmax``) runs in float32 from the
-    matmul that produced it.
+    matmul that produced it, as does the chain a hazard reads (``p`` in
+    ``clip(p, 1e-7, 1 - 1e-7)``, whatever else reads ``p``).
   * ``x * x`` (a ``mul`` of a value by itself) follows ``square``'s list.
   * Integer, bool and PRNG-key values are never touched; float64, float8 and
     complex values are never cast.
-  * Anything else (callbacks, Pallas kernels, linear algebra, scatters,
+  * Anything else (callbacks, Pallas kernels, linear algebra, other scatters,
     primitives autocast does not know) runs in the dtypes of the traced
     program: inputs that autocast changed are cast back first.
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jmp_lite._src.autocast import chains
 from jmp_lite._src.autocast import lists as autocast_lists
 from jmp_lite._src.autocast import promote as rules
 from jmp_lite._src.autocast import regions
@@ -94,7 +95,7 @@ def eval_closed(closed: Any, args: Sequence[Any], cfg: _Config,
 
 
 # The outputs of the nested call being evaluated that its caller reads only in
-# float32 (see rules.feeding_float32): read once, by the call body's evaluator.
+# float32 (see chains.feeding_float32): read once, by the call body's evaluator.
 TAKEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "jmp_lite_autocast_taken", default=frozenset())
 
@@ -130,15 +131,6 @@ _NOT_IN_REGIONS = frozenset({
 })
 
 
-def _inlinable(eqn: Any) -> bool:
-  """A nested jit with nothing but its body: no shardings, layouts or compiler options."""
-  p = eqn.params
-  return (all(type(x).__name__ == "UnspecifiedValue" for x in
-              (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
-          and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
-          and not p.get("compiler_options_kvs") and not any(p.get("donated_invars", ())))
-
-
 def _carries(eqn: Any) -> range:
   """The positions of a loop's initial carries among its operands (empty for other primitives)."""
   p, name = eqn.params, eqn.primitive.name
@@ -159,17 +151,23 @@ class _Evaluator:
     self.refs: dict[Any, regions.Node] = {}  # Variables that hold a region's node.
     self.casts: dict[Any, Any] = {}
     self.pcasts: dict[Any, Any] = {}
-    self.forced: frozenset[int] = frozenset()
-    self.calls: dict[int, frozenset[int]] = {}
+    self.chains = chains.Chains(frozenset(), {}, frozenset(), frozenset(), {})
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
           metas: Union[Sequence[Any], None], out_metas: Union[list[Any], None],
-          keep: bool = False) -> list[Any]:
-    """The outputs of ``jaxpr``: concrete, or (``keep``) as held (region nodes, moves)."""
+          keep: bool = False, wanted: frozenset[int] = frozenset()) -> list[Any]:
+    """The outputs of ``jaxpr``: concrete, or (``keep``) as held (region nodes, moves).
+
+    ``wanted``: the outputs a hazard of the caller needs in float32 (the
+    caller evaluates ``jaxpr`` in place and keeps them).
+    """
     # The outputs the caller reads only in float32 (a nested jit's chain goes on there).
     taken, token = TAKEN.get(), TAKEN.set(frozenset())
+    constants = {i: rules.finer(x, self.cfg.dtype) for i, x in enumerate(args)
+                 if is_constant_value(x) and jaxpr_utils.is_floating(value_dtype(x))}
     try:
-      self.forced, self.calls, _ = rules.feeding_float32(jaxpr, self.cfg.lists.rule, taken)
+      self.chains = chains.feeding_float32(jaxpr, self.cfg.lists.rule, self.cfg.dtype, taken,
+                                           constants, wanted)
       return self._run(jaxpr, consts, args, metas, out_metas, keep, taken)
     finally:
       TAKEN.reset(token)
@@ -253,6 +251,8 @@ class _Evaluator:
     if isinstance(x, Moved):
       return x.get(self, dtype)
     if isinstance(x, regions.Node):
+      if x.held and x.region.done and dtype == x.dtype:
+        return regions.concrete(x)  # A float32 chain's value, after its region was bound.
       if dtype == value_dtype(x) or x.region.done:
         return values.cast(self.concrete(x), dtype, self.casts)
       n = regions.convert(x, dtype)  # From the value it holds (a virtual one's float32).
@@ -270,6 +270,8 @@ class _Evaluator:
       if x.virtual is not None and dtype == x.virtual:
         return regions.narrowed(x)
       return x if dtype == x.dtype else regions.convert(x, dtype)
+    if isinstance(x, regions.Node) and x.held and dtype == x.dtype:
+      return regions.concrete(x)  # A float32 chain's value, after its region was bound.
     x = self.concrete(x)
     if value_dtype(x) == dtype or is_constant_value(x):
       return values.cast(x, dtype, self.casts)
@@ -283,16 +285,20 @@ class _Evaluator:
   def eqn(self, eqn: Any, ins: list[Any], metas: list[rules.Meta]) -> tuple[list[Any], list[Any]]:
     """``eqn`` on ``ins``: its outputs and their metas (``None``: from the value)."""
     name = eqn.primitive.name
-    if name == "jit" and _inlinable(eqn) and any(values.pending_of(x) is not None for x in ins):
-      # A jnp function reading a float32 region's value (jnp.take_along_axis in a loss):
-      # evaluated in place, so that the region goes on through it.
+    calls, wanted = self.chains.calls.get(id(eqn), frozenset()), self.chains.inline.get(id(eqn))
+    if name == "jit" and chains.inlinable(eqn) and (wanted is not None or any(
+        values.pending_of(x) is not None or values.held_of(x) is not None for x in ins)):
+      # A jnp function reading a float32 region's value (jnp.take_along_axis in a loss),
+      # or whose value a hazard needs in float32 (jnp.where before p + 1e-8): evaluated
+      # in place, so that the region goes on through it.
       closed, written = eqn.params["jaxpr"], list[Any]()
-      with fp8_plan.within(eqn), taking(self.calls.get(id(eqn), frozenset())):
-        outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written, True)
+      with fp8_plan.within(eqn), taking(calls):
+        outs = _Evaluator(self.cfg, self).run(closed.jaxpr, closed.consts, ins, metas, written,
+                                              True, wanted or frozenset())
       return outs, written
     handler = HANDLERS.get(name)
     if handler is not None:
-      with fp8_plan.within(eqn), taking(self.calls.get(id(eqn), frozenset())):
+      with fp8_plan.within(eqn), taking(calls):
         return handler(eqn, self.handler_ins(eqn, ins, metas), self.cfg, metas)
     if name == "convert_element_type":
       return self.convert(eqn, ins[0], metas[0])
@@ -326,11 +332,11 @@ class _Evaluator:
       decision = rules.Decision(F32, None, rules.float32_kind(name, ops, out_size))
     else:
       decision = rules.promote(name, ops, out_size)
-      if id(eqn) in self.forced:  # It feeds a float32-list op: float32 back to the matmul.
-        decision = rules.reach_back(decision)
+      if id(eqn) in self.chains.forced:  # It feeds float32 work: float32 back to the matmul.
+        decision = chains.reach_back(decision)
     if (decision.compute == F32 and name not in _NOT_IN_REGIONS
         and not eqn.primitive.multiple_results):
-      return self.pending(eqn, ins, floats, decision)
+      return self.pending(eqn, ins, floats, decision, id(eqn) in self.chains.forced)
     for i in floats:
       ins[i] = self.cast(ins[i], decision.compute)
     ins = [self.concrete(x) for x in ins]
@@ -360,13 +366,14 @@ class _Evaluator:
                               else None)
     return outs, [None] * len(outs)
 
-  def pending(self, eqn: Any, ins: list[Any], floats: list[int],
-              decision: rules.Decision) -> tuple[list[Any], list[Any]]:
+  def pending(self, eqn: Any, ins: list[Any], floats: list[int], decision: rules.Decision,
+              held: bool = False) -> tuple[list[Any], list[Any]]:
     """``eqn`` in float32 as a region node (bound later, with its region).
 
     An operation that stores half and passes values through (a select, max,
     clamp, pad) gets its constants saturated at the half dtype's largest
-    finite value first, as it would computing in half.
+    finite value first, as it would computing in half. ``held``: a float32
+    chain's value (:attr:`regions.Node.held`).
     """
     if decision.virtual is not None and eqn.primitive.name not in rules.ARITHMETIC:
       ins = [values.saturated(x, decision.virtual) if i in floats else x
@@ -378,6 +385,7 @@ class _Evaluator:
     floating = jaxpr_utils.is_floating(out.dtype)
     node = regions.node(values.binder(eqn, retarget(eqn, F32)), args, F32 if floating else out.dtype,
                         out.shape, eqn, decision.virtual if floating else None)
+    node.held = held
     return [node], [decision.meta if floating else None]
 
   def handler_ins(self, eqn: Any, ins: list[Any], metas: list[rules.Meta]) -> list[Any]:

@@ -25,6 +25,16 @@ from jmp_lite._src import jaxpr_utils
 # as traced instead, as torch's dot, vdot and tensordot do.
 HALF_OPS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
+# Accumulations: their result's range grows with the number of terms, and a half
+# running sum stops growing at 2048 (bfloat16: 256) times its terms. Reductions
+# (jnp.sum, jnp.mean, jnp.var, jnp.prod, jnp.cumsum, ...; jnp accumulates a half
+# array's in float32 itself) and scatters that add or multiply into their operand
+# (jax.ops.segment_sum, segment_prod, x.at[i].add: graph networks' aggregations,
+# which JAX accumulates in the operand's dtype).
+REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+SCATTER_SUMS = frozenset({"scatter-add", "scatter-sub", "scatter-mul"})
+ACCUMULATIONS = REDUCTIONS | SCATTER_SUMS
+
 # torch's fp32 and fp32_set_opt_dtype lists, as the primitives their ops lower to:
 # softmax, log_softmax, logsumexp, norms, variances and losses are built from
 # these, so they run in float32 too.
@@ -32,9 +42,7 @@ FLOAT32_OPS = frozenset({
     # Pointwise ops that overflow or lose precision in half.
     "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
     "rsqrt", "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
-    # Reductions (jnp.sum, jnp.mean, jnp.var, jnp.prod, jnp.cumsum, ...).
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
-})
+}) | ACCUMULATIONS
 
 # torch's promote list, widened to every primitive that computes in the dtype of
 # its floating inputs: it runs in the widest floating dtype among them.
@@ -187,14 +195,15 @@ class AutocastLists:
     output (by default ``dot_general``, ``conv_general_dilated``,
     ``ragged_dot_general``: matmuls and convolutions).
   * ``float32``: half inputs are cast to float32; the output is float32
-    (by default exp, log, pow, rsqrt, sums, products, ...).
+    (by default exp, log, pow, rsqrt, sums, products, summing scatters, ...).
   * ``promote``: floating inputs are cast to the widest floating dtype among
     them, constants not counting unless they do not fit (by default every
     other primitive that computes in its inputs' dtype).
   * in none of them ("original"): the primitive runs in the dtypes of the
     traced program; inputs that autocast changed are cast back first. This is
     also what happens to primitives autocast does not know (callbacks,
-    Pallas kernels, linear algebra, scatters, anything new).
+    Pallas kernels, linear algebra, scatters that set or take a max, anything
+    new).
 
   Build a variant with :meth:`move`. Unknown names are a ``ValueError``.
 

@@ -58,10 +58,13 @@ class Node:
     region: the region it belongs to.
     value: the concrete value, once the region is bound (``None`` before,
       and for a node no one outside the region read).
+    held: a value of a float32 chain (:mod:`autocast_chains`): a float32
+      reader reads its float32 value even after another reader bound its
+      region (evaluated again from its inputs if the region did not keep it).
   """
 
   __slots__ = ("op", "args", "dtype", "shape", "virtual", "context", "region", "value",
-               "seq", "narrowed", "asked")
+               "seq", "narrowed", "asked", "held")
 
   def __init__(self, op: Callable[..., Any], args: Sequence[Any], dtype: np.dtype,
                shape: tuple[int, ...], context: Any, virtual: Union[np.dtype, None]) -> None:
@@ -70,6 +73,7 @@ class Node:
     self.value: Any = None
     self.narrowed: Union[Node, None] = None
     self.asked = False  # A virtual value the program cast to float32 (returned so).
+    self.held = False
     self.seq = next(_SEQ)
     self.args = [_settled(a) for a in args]
     self.region: Region = _join([a.region for a in self.args if isinstance(a, Node)])

@@ -108,6 +108,13 @@ def pending_of(x: Any) -> Union[regions.Node, None]:
   return x if isinstance(x, regions.Node) and not x.region.done else None
 
 
+def held_of(x: Any) -> Union[regions.Node, None]:
+  """The float32 chain's node ``x`` holds (itself, or the source of its moves), bound or not."""
+  if isinstance(x, Moved):
+    x = x.src
+  return x if isinstance(x, regions.Node) and x.held else None
+
+
 def constant_of(x: Any) -> Any:
   """The value of a constant operand (a literal, a broadcast of one); ``None`` if traced."""
   if isinstance(x, Moved):
@@ -165,14 +172,29 @@ def retarget(eqn: Any, target: np.dtype) -> Any:
   A ``preferred_element_type`` that none of the traced operands has was asked
   for on purpose (``jnp.einsum(f16, f16, preferred_element_type=jnp.float32)``)
   and is kept; one that an operand has (what ``jnp.matmul`` and
-  ``jnp.einsum`` pass after promoting) follows the operands.
+  ``jnp.einsum`` pass after promoting) follows the operands. A scatter's
+  combiner (its ``update_jaxpr``, typed in the traced dtype) is traced again
+  in ``target``.
   """
+  update = eqn.params.get("update_jaxpr")
+  if update is not None and not eqn.params.get("update_consts"):  # A scatter's combiner.
+    return {**eqn.params, "update_jaxpr": _combiner(update, np.dtype(target))}
   pet = eqn.params.get("preferred_element_type")
   if pet is None or not jaxpr_utils.is_floating(pet):
     return eqn.params
   if np.dtype(pet) not in {jaxpr_utils.dtype_of(v) for v in eqn.invars}:
     return eqn.params
   return {**eqn.params, "preferred_element_type": target}
+
+
+@functools.lru_cache(maxsize=256)
+def _combiner(update: Any, dtype: np.dtype) -> Any:
+  """A scatter's ``update_jaxpr`` (``add`` of two scalars, say) traced again on ``dtype`` scalars."""
+  if all(jaxpr_utils.dtype_of(v) == dtype for v in update.invars):
+    return update
+  scalar = jax.ShapeDtypeStruct((), dtype)
+  fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(update, ()))
+  return jax.make_jaxpr(lambda a, b: fun(a, b)[0])(scalar, scalar).jaxpr
 
 
 def is_constant(atom: Any) -> bool:

@@ -29,7 +29,7 @@ from jmp_lite._src.step import trace as step_trace
 
 _F16 = np.dtype(jnp.float16)
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+_REDUCTIONS = autocast_lists.ACCUMULATIONS
 _F16_ELEMENTWISE = {
     "exp": "exp overflows float16 for inputs above 11.1",
     "exp2": "exp2 overflows float16 for inputs of 16 and above",
@@ -246,6 +246,10 @@ def _reduction(
     eqn: Any, in_dtype: Any, readers: Any, producers: Any, ctx: _Context
 ) -> Union[str, None]:
   name = eqn.primitive.name
+  if name in autocast_lists.SCATTER_SUMS and in_dtype in _HALF:  # JAX sums it in its dtype.
+    return (f"{name} (jax.ops.segment_sum, x.at[i].add) accumulates in {in_dtype.name}: a sum "
+            f"stops growing at {2 ** (jnp.finfo(in_dtype).nmant + 1)} times its terms; build "
+            "the step with autocast=True, or scatter a float32 copy (x.astype(jnp.float32))")
   if in_dtype == _F16:
     return f"{name} accumulates in float16 (max 65504, 11-bit precision)"
   # Under autocast a float32 -> float16 convert of a computed value is kept wide;
@@ -287,6 +291,8 @@ def precision_lint(
   ``log1p``
   ``reduce_sum`` ``reduce_prod``            operand is f16, or the      f16
   ``cumsum`` ``cumprod`` ``cumlogsumexp``   result is cast back to f16
+  ``scatter-add`` ``scatter-sub``           operand dtype               f16, bf16
+  ``scatter-mul``                           (segment_sum, .at[].add)
   ``dot_general``                           contracting size or output  f16, bf16
                                             features not a multiple
                                             of 8
@@ -314,8 +320,9 @@ def precision_lint(
   apply to it. ``jnp.sum``/``jnp.mean`` of an f16 array accumulate in
   float32 but return f16, which is what the "cast back" rule catches; a
   reduction that stays in float32 (Flax's normalisation statistics) is not
-  flagged. Max/min reductions are exact and never flagged. Dimensions of size
-  1 (matrix-vector products) are not flagged, nor is the row count of a
+  flagged. A scatter that adds or multiplies accumulates in its operand's
+  dtype, bfloat16 too. Max/min reductions are exact and never flagged.
+  Dimensions of size 1 (matrix-vector products) are not flagged, nor is the row count of a
   matmul (the batch size). Each finding's source is the first stack frame
   outside jax, flax, optax, chex, equinox, haiku and jmp_lite (``None`` if
   this JAX release does not expose tracebacks); inside a loop or call body
@@ -336,10 +343,10 @@ def precision_lint(
   With ``autocast=True`` the function is linted as
   ``make_train_step(..., autocast=True, fp8=fp8)`` runs it: wrapped in
   :func:`autocast` with ``policy.compute_dtype``, after the casts above.
-  Autocast runs exp, log and the reductions in float32 and keeps their
-  results in float32, so the ``softmax/logsumexp``, ``exp``/``log`` and
-  reduction findings go away (the float16 converts left are autocast's own
-  casts of matmul inputs, which are not flagged); the alignment findings of
+  Autocast runs exp, log, the reductions and summing scatters in float32
+  and keeps their results in float32, so the ``softmax/logsumexp``,
+  ``exp``/``log``, reduction and scatter findings go away (the float16
+  converts left are autocast's own casts of matmul inputs, which are not flagged); the alignment findings of
   its half-precision matmuls and convolutions stay, and the float32-matmul
   findings go (autocast runs every matmul in half). A matmul on
   quantise-dequantised float8 operands (``fp8=True``) is an FP8 GEMM: its

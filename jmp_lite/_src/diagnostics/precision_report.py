@@ -30,8 +30,9 @@ _MATMULS = frozenset({"dot_general", "ragged_dot_general"})
 _CONVS = frozenset({"conv_general_dilated"})
 _EXP_LOG = frozenset({"exp", "exp2", "expm1", "log", "log1p", "pow", "logistic",
                       "cumlogsumexp"})
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod", "reduce_max", "reduce_min",
-                         "cumsum", "cumprod", "cummax", "cummin", "argmax", "argmin"})
+# Sums, products (a summing scatter's too: jax.ops.segment_sum) and exact reductions.
+_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "cummax", "cummin", "argmax",
+                         "argmin"}) | autocast_lists.ACCUMULATIONS
 # Primitives that move or relabel data, compute nothing, and are not counted.
 _MOVES = frozenset({
     "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -56,7 +57,8 @@ class PrecisionReport(NamedTuple):
     counts: ``{kind: {dtype name: number of operations}}`` for the kinds in
       ``KINDS`` order: ``"matmul"`` (``dot_general``), ``"conv"``,
       ``"exp/log"``, ``"reduction"`` (an inner product or a weighted sum
-      of a few vectors, which autocast does not count as a matmul, is one), ``"norm stats"`` (reductions feeding
+      of a few vectors, which autocast does not count as a matmul, is one, and
+      so is a summing scatter: ``jax.ops.segment_sum``), ``"norm stats"`` (reductions feeding
       an ``rsqrt``/``sqrt``: means and variances of a normalisation) and
       ``"other"`` (every other floating computation). A matmul on
       quantise-dequantised float8 operands is counted under its float8
@@ -158,8 +160,9 @@ def count_ops(jaxpr: Any, counts: dict[str, dict[str, int]]) -> None:
     if dtype:
       per = counts.setdefault(kind, {})  # type: ignore[arg-type]  # kind is set here.
       per[dtype] = per.get(dtype, 0) + 1
-    for sub in jaxpr_utils.subjaxprs(eqn):
-      count_ops(sub, counts)
+    if kind is None:  # A counted operation's own jaxpr (a scatter's combiner) is not counted.
+      for sub in jaxpr_utils.subjaxprs(eqn):
+        count_ops(sub, counts)
 
 
 def precision_report(

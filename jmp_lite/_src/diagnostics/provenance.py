@@ -24,10 +24,16 @@ label       the value is wide because of
             a layer built with ``dtype=jnp.float32``)
 ==========  ================================================================
 
-Where a float32 value meets a half one, JAX converts the half operand: that
-convert is the promotion's doing, not a cause, so a converted operand (and
-its reshapes) adds its ``upcast`` label only when every wide operand of the
-op is such a convert.
+Where a float32 value meets a half one, ``jax.numpy`` converts the half
+operand: that convert is the promotion's doing, not a cause, so a converted
+operand (and its reshapes) adds its ``upcast`` label only when every wide
+operand of the op is such a convert. A convert the program writes
+(``x.astype(jnp.float32)``, a layer's cast to its ``dtype``:
+:func:`jaxpr_utils.written_convert`) is the cause beside a value made in the
+function: a layer pinned to float32 casts its operands whatever made its
+input float32 (a position table), so fixing the table alone would change
+nothing. Beside a carry, a draw or a kept leaf it is not: a layer built with
+``dtype=None`` writes the same convert to follow its float32 input.
 """
 
 from __future__ import annotations
@@ -116,7 +122,8 @@ class Origins:
 
   def __init__(self, jaxpr: Any, inputs: Sequence[Labels]) -> None:
     self._labels: dict[Any, Labels] = {}
-    self._casts: set[Any] = set()  # Converted half values (and their reshapes).
+    self._casts: set[Any] = set()  # Half values converted by promotion (and their reshapes).
+    self._written: set[Any] = set()  # Half values converted as written (and their reshapes).
     for v in jaxpr.constvars:
       self._labels[v] = MADE if _wide_float(v) else NONE
     for v, labels in zip(jaxpr.invars, inputs):
@@ -129,7 +136,9 @@ class Origins:
   def cause(self, operands: Sequence[Any]) -> Labels:
     """Why an op on ``operands`` is wide: their labels, promotion converts set aside."""
     wide = [v for v in operands if isinstance(v, jex_core.Var) and _tracked(v)]
-    own = [v for v in wide if v not in self._casts and self.of(v)]
+    own = [v for v in wide if v not in self._casts and v not in self._written and self.of(v)]
+    if any(v in self._written for v in wide) and _union(self.of(v) for v in own) <= MADE:
+      return UPCAST  # A layer's cast (or an astype) beside a table made in the function.
     labels = [self.of(v) for v in (own or wide)]
     # A constant made beside a value wide for another reason (Dropout's
     # zeros_like of a float32 input) takes its dtype from it: not a cause.
@@ -159,9 +168,13 @@ class Origins:
     fresh = UPCAST if from_half else MADE
     self._set(eqn.outvars, [labels or (fresh if _wide_float(v) else NONE) for v in eqn.outvars])
     if name in _RESHAPES and len(eqn.outvars) == 1 and _wide_float(eqn.outvars[0]):
-      source = eqn.invars[0]
-      if from_half or (isinstance(source, jex_core.Var) and source in self._casts):
-        self._casts.add(eqn.outvars[0])
+      source, out = eqn.invars[0], eqn.outvars[0]
+      if from_half:
+        (self._written if jaxpr_utils.written_convert(eqn) else self._casts).add(out)
+      elif isinstance(source, jex_core.Var) and source in self._casts:
+        self._casts.add(out)
+      elif isinstance(source, jex_core.Var) and source in self._written:
+        self._written.add(out)
 
   def _sub_inputs(self, eqn: Any, sub: Any) -> list[Labels]:
     """The labels of ``sub``'s inputs, ``sub`` being one of ``eqn``'s jaxprs.

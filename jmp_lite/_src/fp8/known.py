@@ -63,6 +63,50 @@ def tree_amaxes(params: Any) -> Any:
   return jax.tree.map(_amax, params)
 
 
+_AMAXES_MSG = ("weight_amaxes must be None or hold a scalar amax at each weight matrix of the "
+               "params and None at their other leaves (the tree TrainState.create(..., "
+               "weight_amaxes=True) keeps): {what}")
+
+
+def check_amaxes(amaxes: Any, params: Any) -> None:
+  """Refuses ``amaxes`` that are not :func:`tree_amaxes` of ``params`` in form.
+
+  Structure and shapes only: nothing is computed (under ``jit`` it adds no
+  operation).
+
+  Raises:
+    ValueError: naming the weights without an amax, the leaves that are no
+      weight matrix, a non-scalar amax, or the two tree structures.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    >>> check_amaxes(tree_amaxes(params), params)
+    >>> check_amaxes({"b": jnp.ones(()), "w": jnp.ones(())}, params)
+    Traceback (most recent call last):
+    ValueError: weight_amaxes must ...: leaves at ['b'], which hold no weight matrix of the params
+  """
+  if amaxes is None:
+    return
+  want = jax.tree.structure(jax.tree.map(lambda x: 0 if _is_matrix(x) else None, params))
+  found = jax.tree_util.tree_flatten_with_path(amaxes)[0]
+  got: Any = jax.tree.structure(amaxes)  # Any: mypy cannot compare jaxlib's PyTreeDef.
+  if got != want:
+    weights = {tree_utils.path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+               if _is_matrix(x)}
+    given = {tree_utils.path_str(p) for p, _ in found}
+    missing, extra = sorted(weights - given), sorted(given - weights)
+    what = "; ".join(
+        [f"no amax for the weight(s) {missing}"] * bool(missing)
+        + [f"leaves at {extra}, which hold no weight matrix of the params"] * bool(extra)) or (
+            f"its tree structure is {got}, the params' amaxes' {want}")
+    raise ValueError(_AMAXES_MSG.format(what=what))
+  for path, amax in found:
+    if jnp.shape(amax) != ():
+      raise ValueError(_AMAXES_MSG.format(what=f"the amax at {tree_utils.path_str(path)!r} has "
+                                          f"shape {jnp.shape(amax)}, not ()"))
+
+
 def by_path(amaxes: Any) -> Union[dict[str, jax.Array], None]:
   """A :func:`tree_amaxes` tree as ``{path: amax}``, the paths autocast names argument leaves by.
 

@@ -80,14 +80,14 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
   """The :class:`Plan` of ``jaxpr`` under ``recipe``'s keep rules (and :func:`choosing`).
 
   A keep rule that keeps no matmul warns (``UserWarning``), naming the rule
-  and the paths the matmuls read, as the policy's keep rules do; so does a
-  ``min_size`` that no floating matmul reaches, since FP8 was asked for and
-  nothing would run in it.
+  and the paths the matmuls read, as the policy's keep rules do; so do a
+  function with no floating matmul (and no row lookup whose cotangent runs
+  in FP8) and a ``min_size`` that no floating matmul reaches, since FP8 was
+  asked for and nothing would run in it (:func:`_warn_if_nothing_in_fp8`).
   """
   lookups: sources.Lookups = []
   sites = sources.found_in(jaxpr, paths, lookups)
   found = [(eqn, m) for _, eqn, m in sites]
-  _warn_if_all_too_small([(eqn, m) for eqn, m in found if _floating(eqn)], recipe)
   kept: set[int] = set()
   keep = tuple(recipe.keep)  # type: ignore[arg-type]  # Normalised to a tuple by the recipe.
   leaf_of = {p: x for p, x in zip(paths, leaves) if p is not None}
@@ -96,6 +96,8 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
                  if not any(rule(path, leaf_of[path]) for rule in rules)
                  and min(math.prod(eqn.invars[1].aval.shape[:-1]),
                          *eqn.invars[0].aval.shape) >= recipe.min_size}
+  _warn_if_nothing_in_fp8([(eqn, m) for eqn, m in found if _floating(eqn)], bool(fp8_lookups),
+                          recipe)
   if keep:
     read = list({p: leaf_of[p] for p in [*(p for _, m in found for p in m.reads),
                                          *(path for _, _, path in lookups)] if p in leaf_of}.items())
@@ -113,26 +115,40 @@ def plan(jaxpr: Any, paths: Sequence[Union[str, None]], leaves: Sequence[Any],
               {site: tuple(flags) for site, flags in under.items()}, fp8_lookups)
 
 
-_TOO_SMALL_MSG = (
-    "fp8 is on, but none of the {n} matmuls reaches the recipe's min_size={min_size} in all "
-    "three GEMM sizes (the largest is {m} x {k} x {nn}, M x K x N), so every one runs in the "
-    "half dtype: FP8 pays on an H100 only from about 4096 (docs/fp8.md, 'From what size FP8 "
-    "pays'). Pass fp8=jmp.Float8Recipe(min_size=0) to run them in FP8 anyway, or fp8=False")
+# What FP8 asked for and nothing in it says: one class (UserWarning), one home.
+_NOTHING_IN_FP8 = "fp8 is on, but {why}, so nothing runs in FP8{fix}"
+_NO_MATMUL = ("the function runs no floating matmul (dot_general; convolutions run in the "
+              "half dtype)", ": pass fp8=False (or None)")
+_TOO_SMALL = (
+    "none of the {n} matmuls reaches the recipe's min_size={min_size} in all three GEMM sizes "
+    "(the largest is {m} x {k} x {nn}, M x K x N)",
+    ": every one runs in the half dtype. FP8 pays on an H100 only from about 4096 "
+    "(docs/fp8.md, 'From what size FP8 pays'). Pass fp8=jmp.Float8Recipe(min_size=0) to run "
+    "them in FP8 anyway, or fp8=False")
 
 
 def _floating(eqn: Any) -> bool:
   return all(jaxpr_utils.is_floating(jaxpr_utils.dtype_of(v)) for v in eqn.invars[:2])
 
 
-def _warn_if_all_too_small(found: list[tuple[Any, Matmul]], recipe: Float8Recipe) -> None:
-  """A ``UserWarning`` when FP8 is on and ``min_size`` leaves every matmul in half."""
-  if not found or recipe.min_size == 0:
+def _warn_if_nothing_in_fp8(found: list[tuple[Any, Matmul]], lookups: bool,
+                            recipe: Float8Recipe) -> None:
+  """A ``UserWarning`` when FP8 is on and nothing runs in it.
+
+  Either the function has no floating matmul (and no row lookup whose
+  cotangent runs in FP8: ``lookups``), or ``min_size`` leaves every matmul
+  in the half dtype.
+  """
+  if not found:
+    if not lookups:
+      why, fix = _NO_MATMUL
+      warnings.warn(_NOTHING_IN_FP8.format(why=why, fix=fix), UserWarning, stacklevel=4)
     return
-  if any(min(m.shape[:3]) >= recipe.min_size for _, m in found):
+  if recipe.min_size == 0 or any(min(m.shape[:3]) >= recipe.min_size for _, m in found):
     return
   m, k, n, _ = max((m.shape for _, m in found), key=lambda s: (min(s[:3]), s[0] * s[1] * s[2]))
-  warnings.warn(_TOO_SMALL_MSG.format(n=len(found), min_size=recipe.min_size, m=m, k=k, nn=n),
-                UserWarning, stacklevel=4)
+  why = _TOO_SMALL[0].format(n=len(found), min_size=recipe.min_size, m=m, k=k, nn=n)
+  warnings.warn(_NOTHING_IN_FP8.format(why=why, fix=_TOO_SMALL[1]), UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager

@@ -39,9 +39,7 @@ def _own_leaf(x: Any, master_dtype: np.dtype) -> Any:
     return jnp.asarray(x, jnp.float32)
   # A fresh, strongly typed buffer: donation only ever consumes the state's own.
   if isinstance(x, jax.Array):
-    if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # PRNG keys.
-      return _own_key(x)
-    return jnp.array(x, dtype=x.dtype, copy=True)
+    return _copy_array(x)
   if isinstance(x, (np.ndarray, np.generic)):
     # NumPy arrays are mutable and shared with the caller (an index buffer, a
     # mask reused by a data pipeline): the state holds a jax copy instead.
@@ -321,9 +319,11 @@ class TrainState:
     """A copy with some fields replaced (``dataclasses.replace``).
 
     New ``params`` come with their own ``weight_amaxes`` when the state keeps
-    them (and ``changes`` does not set them): never another weight's.
+    them and ``changes`` sets none; set ones unlike the params' are a ``ValueError``.
     """
-    if "params" in changes and "weight_amaxes" not in changes and self.weight_amaxes is not None:
+    if "weight_amaxes" in changes:
+      fp8_known.check_amaxes(changes["weight_amaxes"], changes.get("params", self.params))
+    elif "params" in changes and self.weight_amaxes is not None:
       changes["weight_amaxes"] = fp8_known.tree_amaxes(changes["params"])
     return dataclasses.replace(self, **changes)
 
