@@ -43,6 +43,7 @@ from jmp_lite._src.step.train_state import TrainState
 from jmp_lite._src.step.eval import make_eval_step
 from jmp_lite._src.step.make import make_train_step
 from jmp_lite._src.step.half_share import NothingInHalfWarning
+from jmp_lite._src.step.half_sums import HalfSumWarning
 from jmp_lite._src.scaling.transform import LossScaleState
 from jmp_lite._src.scaling.transform import dynamic_loss_scaling
 from jmp_lite._src.scaling.transform import loss_scale_of
@@ -59,6 +60,7 @@ __all__ = (
     "Float8SensitivityRow",
     "GpuCompileReport",
     "GradientReport",
+    "HalfSumWarning",
     "LeafStats",
     "LedgerRow",
     "LintFinding",

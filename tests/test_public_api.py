@@ -16,7 +16,7 @@ DOCUMENTED = {
     "LossScaleState", "dynamic_loss_scaling", "static_loss_scaling",
     "loss_scale_of", "skipped_steps_of",
     # The train step.
-    "TrainState", "make_train_step", "make_eval_step", "NothingInHalfWarning",
+    "TrainState", "make_train_step", "make_eval_step", "NothingInHalfWarning", "HalfSumWarning",
     # Lean master weights.
     "apply_updates",
     # Quantised optimizer state.

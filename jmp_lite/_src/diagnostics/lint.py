@@ -25,6 +25,7 @@ from jmp_lite._src.diagnostics.findings import LintFindings
 from jmp_lite._src.diagnostics import precision_report
 from jmp_lite._src.diagnostics import provenance
 from jmp_lite._src.step import half_share
+from jmp_lite._src.step import half_sums
 from jmp_lite._src.step import trace as step_trace
 
 _F16 = np.dtype(jnp.float16)
@@ -247,9 +248,7 @@ def _reduction(
 ) -> Union[str, None]:
   name = eqn.primitive.name
   if name in autocast_lists.SCATTER_SUMS and in_dtype in _HALF:  # JAX sums it in its dtype.
-    return (f"{name} (jax.ops.segment_sum, x.at[i].add) accumulates in {in_dtype.name}: a sum "
-            f"stops growing at {2 ** (jnp.finfo(in_dtype).nmant + 1)} times its terms; build "
-            "the step with autocast=True, or scatter a float32 copy (x.astype(jnp.float32))")
+    return half_sums.message(name, in_dtype)
   if in_dtype == _F16:
     return f"{name} accumulates in float16 (max 65504, 11-bit precision)"
   # Under autocast a float32 -> float16 convert of a computed value is kept wide;

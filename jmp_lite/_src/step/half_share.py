@@ -131,4 +131,4 @@ def check(jaxpr: Any, state: Any, batch: Any, *, loss_fn: Callable[..., Any], po
       cause = None
   found = f"precision_lint names the cause: {cause}. " if cause else _NO_CAUSE
   warnings.warn(_MSG.format(dtype=dtype.name, half=half / total, n_half=n_half, n=n,
-                            cause=found), NothingInHalfWarning, stacklevel=4)
+                            cause=found), NothingInHalfWarning, stacklevel=5)

@@ -8,16 +8,17 @@ that need Python (tree structures, static batch leaves, donation).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 
 from jmp_lite._src.autocast import autocast as autocast_lib
 from jmp_lite._src import checks
 from jmp_lite._src.fp8 import known as fp8_known
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.step import half_share
+from jmp_lite._src.step import half_sums
 from jmp_lite._src.step import stages
 from jmp_lite._src.scaling import transform
 from jmp_lite._src.fp8.recipe import Float8Recipe
@@ -231,12 +232,17 @@ def make_train_step(
     metrics = stages.step_metrics(config, scale, inputs, grads, guard)
     return new_state, {**metrics, **stages.skip_metrics(opt_state)}
 
-  inspect = None
-  if warn_no_half:
-    inspect = functools.partial(
-        half_share.check, loss_fn=loss_fn, policy=policy, autocast=autocast,
-        options={"cast_batch": cast_batch, "batch_keep_full": batch_keep_full})
-  return TrainStep(step, donate, inspect)
+  checks_sums = np.dtype(policy.compute_dtype).itemsize <= 2 and not autocast
+
+  def inspect(jaxpr: Any, state: TrainState, batch: Any) -> None:
+    """Reads the first call's traced program: what runs in half, and what should not."""
+    if checks_sums:
+      half_sums.check(jaxpr, half_share.LOSS_SCOPE)
+    if warn_no_half:
+      half_share.check(jaxpr, state, batch, loss_fn=loss_fn, policy=policy, autocast=autocast,
+                       options={"cast_batch": cast_batch, "batch_keep_full": batch_keep_full})
+
+  return TrainStep(step, donate, inspect if checks_sums or warn_no_half else None)
 
 
 def check_fn_and_policy(name: str, fn: Any, policy: Any) -> None:
